@@ -1,0 +1,313 @@
+//! socklb's kernel side: cgroup connect hooks that send a VIP's connects to a
+//! backend picked from a table the daemon keeps, and getpeername hooks that
+//! show the application the VIP it asked for.
+//!
+//! Every entry point is a thin wrapper: it calls a worker and maps the result
+//! to "proceed" (1) or "refuse" (0). Anything that is not a TCP connect to a
+//! configured VIP proceeds untouched.
+#![no_std]
+#![no_main]
+
+use aya_ebpf::{
+    EbpfContext,
+    bindings::{BPF_ANY, bpf_sock_addr},
+    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    helpers::generated::{
+        bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval,
+    },
+    macros::{btf_map, cgroup_sock_addr},
+    programs::SockAddrContext,
+};
+use aya_log_ebpf::debug;
+use lb_common::{
+    BackendInfo, BackendSlot, BackendStats, Endpoint, FAMILY_V4, MAX_BACKENDS,
+    MAX_REDIRECTED_SOCKETS, MAX_SLOTS, MAX_TABLES, MAX_VIPS, RedirectedSocket,
+    SERVICE_FLAG_ALL_NETNS, ServiceEntry, Settings, SlotChoice, TableInfo, TableStats, choose_slot,
+};
+
+/// VIP → current selection table. Written by the daemon (one update per
+/// table swap), read by connect4/connect6.
+#[btf_map]
+static SERVICES: HashMap<Endpoint, ServiceEntry, { MAX_VIPS as usize }> = HashMap::new();
+
+/// Selection tables, two banks per table. Written by the daemon into the idle
+/// bank only, read by connect4/connect6.
+#[btf_map]
+static SLOTS: Array<BackendSlot, { MAX_SLOTS as usize }> = Array::new();
+
+/// Socket cookie → (VIP, backend). Written by connect4/connect6, read by
+/// getpeername4/getpeername6. LRU, so closed sockets age out.
+#[btf_map]
+static REDIRECTS: LruHashMap<u64, RedirectedSocket, { MAX_REDIRECTED_SOCKETS as usize }> =
+    LruHashMap::new();
+
+/// Redirect counters per backend id. Written by connect4/6, read by status.
+#[btf_map]
+static BACKEND_STATS: PerCpuArray<BackendStats, { MAX_BACKENDS as usize }> = PerCpuArray::new();
+
+/// "None healthy" counters per table. Written by connect4/6, read by status.
+#[btf_map]
+static TABLE_STATS: PerCpuArray<TableStats, { MAX_TABLES as usize }> = PerCpuArray::new();
+
+/// Backend id → address, weight, health. Written by the daemon, read by
+/// status; the programs never touch it.
+#[btf_map]
+static BACKENDS: HashMap<u32, BackendInfo, { MAX_BACKENDS as usize }> = HashMap::new();
+
+/// Table id → service name and policy. Written by the daemon, read by status.
+#[btf_map]
+static TABLES: HashMap<u32, TableInfo, { MAX_TABLES as usize }> = HashMap::new();
+
+/// Index 0: the daemon's netns cookie. Written by the daemon at install,
+/// read by connect4/connect6.
+#[btf_map]
+static SETTINGS: Array<Settings, 1> = Array::new();
+
+const PROCEED: i32 = 1;
+const REFUSE: i32 = 0;
+const SOCK_STREAM: u32 = 1;
+const ECONNREFUSED: i32 = 111;
+/// `::ffff:0:0/96` in network byte order, word 2 of an IPv4-mapped address.
+const V4_MAPPED_WORD_BE: u32 = 0xffff_u32.to_be();
+
+/// Why a connect is refused. Only the entry point turns it into a verdict.
+enum Refusal {
+    NoHealthyBackend,
+}
+
+#[cgroup_sock_addr(connect4)]
+pub fn socklb_connect4(ctx: SockAddrContext) -> i32 {
+    verdict(&ctx, connect4(&ctx))
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn socklb_connect6(ctx: SockAddrContext) -> i32 {
+    verdict(&ctx, connect6(&ctx))
+}
+
+#[cgroup_sock_addr(getpeername4)]
+pub fn socklb_getpeername4(ctx: SockAddrContext) -> i32 {
+    getpeername4(&ctx);
+    PROCEED
+}
+
+#[cgroup_sock_addr(getpeername6)]
+pub fn socklb_getpeername6(ctx: SockAddrContext) -> i32 {
+    getpeername6(&ctx);
+    PROCEED
+}
+
+#[inline(always)]
+fn verdict(ctx: &SockAddrContext, result: Result<(), Refusal>) -> i32 {
+    match result {
+        Ok(()) => PROCEED,
+        Err(Refusal::NoHealthyBackend) => {
+            // Without this the caller would see EPERM, which reads like a
+            // permissions problem; ECONNREFUSED says "nobody is there".
+            unsafe { bpf_set_retval(-ECONNREFUSED) };
+            debug!(ctx, "socklb: refused, no healthy backend");
+            REFUSE
+        }
+    }
+}
+
+#[inline(always)]
+fn sock_addr(ctx: &SockAddrContext) -> &mut bpf_sock_addr {
+    // SAFETY: the kernel hands a valid context for the program's lifetime.
+    unsafe { &mut *ctx.sock_addr }
+}
+
+fn connect4(ctx: &SockAddrContext) -> Result<(), Refusal> {
+    let sa = sock_addr(ctx);
+    if sa.type_ != SOCK_STREAM {
+        return Ok(());
+    }
+    let vip = Endpoint::v4(sa.user_ip4, sa.user_port as u16);
+    let Some(slot) = select_backend(ctx, &vip)? else {
+        return Ok(());
+    };
+    // A table of an IPv4 VIP only holds IPv4 backends; check anyway so a bad
+    // write can never send a v4 socket to a v6 address.
+    if slot.target.family != FAMILY_V4 {
+        return Ok(());
+    }
+    sa.user_ip4 = slot.target.addr_be[0];
+    sa.user_port = slot.target.port_be as u32;
+    remember(ctx, &vip, &slot.target);
+    Ok(())
+}
+
+fn connect6(ctx: &SockAddrContext) -> Result<(), Refusal> {
+    let sa = sock_addr(ctx);
+    if sa.type_ != SOCK_STREAM {
+        return Ok(());
+    }
+    // The verifier only allows 4-byte loads from user_ip6, so read it word
+    // by word rather than as one 16-byte array.
+    let words = [
+        sa.user_ip6[0],
+        sa.user_ip6[1],
+        sa.user_ip6[2],
+        sa.user_ip6[3],
+    ];
+    let port_be = sa.user_port as u16;
+    let mapped = words[0] == 0 && words[1] == 0 && words[2] == V4_MAPPED_WORD_BE;
+    let vip = if mapped {
+        // An IPv6 socket dialling ::ffff:a.b.c.d reaches the IPv4 VIP.
+        Endpoint::v4(words[3], port_be)
+    } else {
+        Endpoint::v6(words, port_be)
+    };
+    let Some(slot) = select_backend(ctx, &vip)? else {
+        return Ok(());
+    };
+    if slot.target.family != vip.family {
+        return Ok(());
+    }
+    if mapped {
+        sa.user_ip6[0] = 0;
+        sa.user_ip6[1] = 0;
+        sa.user_ip6[2] = V4_MAPPED_WORD_BE;
+        sa.user_ip6[3] = slot.target.addr_be[0];
+    } else {
+        sa.user_ip6[0] = slot.target.addr_be[0];
+        sa.user_ip6[1] = slot.target.addr_be[1];
+        sa.user_ip6[2] = slot.target.addr_be[2];
+        sa.user_ip6[3] = slot.target.addr_be[3];
+    }
+    sa.user_port = slot.target.port_be as u32;
+    remember(ctx, &vip, &slot.target);
+    Ok(())
+}
+
+/// Looks the VIP up and picks a backend slot. `Ok(None)`: not ours, proceed.
+#[inline(always)]
+fn select_backend(ctx: &SockAddrContext, vip: &Endpoint) -> Result<Option<BackendSlot>, Refusal> {
+    // SAFETY: the entry is copied out at once; the daemon replaces entries
+    // with a fresh element (hash map update), never in place.
+    let Some(entry) = (unsafe { SERVICES.get(vip) }).copied() else {
+        return Ok(None);
+    };
+    if !netns_allowed(ctx, &entry) {
+        return Ok(None);
+    }
+    let random = unsafe { bpf_get_prandom_u32() };
+    let index = match choose_slot(&entry, random) {
+        SlotChoice::Healthy(index) => index,
+        SlotChoice::FailOpen(index) => {
+            count_none_healthy(entry.table_id, false);
+            index
+        }
+        SlotChoice::Reject => {
+            count_none_healthy(entry.table_id, true);
+            return Err(Refusal::NoHealthyBackend);
+        }
+        SlotChoice::Empty => return Ok(None),
+    };
+    // Array lookups are bounds-checked by the kernel: an index past the end
+    // yields None, never a stray read.
+    let Some(slot) = SLOTS.get(index).copied() else {
+        return Ok(None);
+    };
+    if let Some(stats) = BACKEND_STATS.get_ptr_mut(slot.backend_id) {
+        // Per-CPU value: no other writer, a plain add is race free.
+        unsafe { (*stats).redirects += 1 };
+    }
+    debug!(
+        ctx,
+        "socklb: table {} slot {} -> backend {}", entry.table_id, index, slot.backend_id
+    );
+    Ok(Some(slot))
+}
+
+#[inline(always)]
+fn netns_allowed(ctx: &SockAddrContext, entry: &ServiceEntry) -> bool {
+    if entry.flags & SERVICE_FLAG_ALL_NETNS != 0 {
+        return true;
+    }
+    let Some(settings) = SETTINGS.get(0) else {
+        return false;
+    };
+    let cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    cookie == settings.host_netns_cookie
+}
+
+#[inline(always)]
+fn count_none_healthy(table_id: u32, rejected: bool) {
+    if let Some(stats) = TABLE_STATS.get_ptr_mut(table_id) {
+        unsafe {
+            (*stats).none_healthy += 1;
+            if rejected {
+                (*stats).rejected += 1;
+            }
+        }
+    }
+}
+
+#[inline(always)]
+fn remember(ctx: &SockAddrContext, vip: &Endpoint, backend: &Endpoint) {
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let record = RedirectedSocket {
+        vip: *vip,
+        backend: *backend,
+    };
+    // Best effort: if the insert fails, getpeername shows the backend.
+    let _ = REDIRECTS.insert(cookie, record, BPF_ANY as u64);
+}
+
+/// The VIP to show for this socket, if it was redirected and its peer is
+/// still the backend it was sent to.
+#[inline(always)]
+fn redirected_vip(ctx: &SockAddrContext, peer: &Endpoint) -> Option<Endpoint> {
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let record = unsafe { REDIRECTS.get(cookie) }.copied()?;
+    (record.backend == *peer).then_some(record.vip)
+}
+
+fn getpeername4(ctx: &SockAddrContext) {
+    let sa = sock_addr(ctx);
+    let peer = Endpoint::v4(sa.user_ip4, sa.user_port as u16);
+    if let Some(vip) = redirected_vip(ctx, &peer) {
+        sa.user_ip4 = vip.addr_be[0];
+        sa.user_port = vip.port_be as u32;
+    }
+}
+
+fn getpeername6(ctx: &SockAddrContext) {
+    let sa = sock_addr(ctx);
+    let words = [
+        sa.user_ip6[0],
+        sa.user_ip6[1],
+        sa.user_ip6[2],
+        sa.user_ip6[3],
+    ];
+    let port_be = sa.user_port as u16;
+    let mapped = words[0] == 0 && words[1] == 0 && words[2] == V4_MAPPED_WORD_BE;
+    let peer = if mapped {
+        Endpoint::v4(words[3], port_be)
+    } else {
+        Endpoint::v6(words, port_be)
+    };
+    let Some(vip) = redirected_vip(ctx, &peer) else {
+        return;
+    };
+    if mapped {
+        sa.user_ip6[3] = vip.addr_be[0];
+    } else {
+        sa.user_ip6[0] = vip.addr_be[0];
+        sa.user_ip6[1] = vip.addr_be[1];
+        sa.user_ip6[2] = vip.addr_be[2];
+        sa.user_ip6[3] = vip.addr_be[3];
+    }
+    sa.user_port = vip.port_be as u32;
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";

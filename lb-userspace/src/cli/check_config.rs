@@ -1,0 +1,18 @@
+use std::path::PathBuf;
+
+use socklb::config;
+
+/// Validate a config file and print what was understood, or every error.
+///
+/// Example: socklb check-config /etc/socklb/socklb.toml
+#[derive(Debug, clap::Args)]
+pub struct CheckConfigArgs {
+    /// The TOML file to check.
+    file: PathBuf,
+}
+
+pub fn check_config(args: CheckConfigArgs) -> anyhow::Result<()> {
+    let config = config::load_file(&args.file)?;
+    print!("{config}");
+    Ok(())
+}

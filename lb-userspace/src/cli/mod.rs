@@ -1,0 +1,60 @@
+//! Command-line definitions, one module per subcommand.
+
+mod check_config;
+mod run;
+mod status;
+mod uninstall;
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+use socklb::{
+    cgroup::CgroupError, config::ConfigError, daemon::DaemonError, kernel::DEFAULT_PIN_PATH,
+};
+
+/// Node-local load balancer for control-plane endpoints: connects to a VIP
+/// are sent to a healthy backend inside the kernel, with no proxy hop.
+#[derive(Debug, Parser)]
+#[command(name = "socklb", version)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    Run(Box<run::RunArgs>),
+    Status(status::StatusArgs),
+    Uninstall(uninstall::UninstallArgs),
+    CheckConfig(check_config::CheckConfigArgs),
+}
+
+/// The directory under bpffs where socklb pins its maps and links.
+#[derive(Debug, clap::Args)]
+struct PinPathArg {
+    /// Directory (on bpffs) that holds socklb's pinned maps and links.
+    #[arg(long, value_name = "DIR", default_value = DEFAULT_PIN_PATH)]
+    pin_path: PathBuf,
+}
+
+pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Run(args) => run::run(*args),
+        Command::Status(args) => status::status(args),
+        Command::Uninstall(args) => uninstall::uninstall(args),
+        Command::CheckConfig(args) => check_config::check_config(args),
+    }
+}
+
+/// 2 for bad input (config, flags, addresses), 1 for everything else.
+pub fn exit_status(error: &anyhow::Error) -> u8 {
+    let bad_input = error.chain().any(|cause| {
+        cause.is::<ConfigError>()
+            || cause.is::<CgroupError>()
+            || matches!(
+                cause.downcast_ref::<DaemonError>(),
+                Some(DaemonError::Cgroup(_))
+            )
+    });
+    if bad_input { 2 } else { 1 }
+}

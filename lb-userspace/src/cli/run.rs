@@ -1,0 +1,90 @@
+use std::path::PathBuf;
+
+use anyhow::Context;
+use socklb::{
+    config::{self, RawBackend, RawHealth, RawService},
+    daemon::{self, RunOptions},
+    kernel::BpfLogLevel,
+};
+
+/// Install (or adopt) the data plane and keep it in step with backend health.
+///
+/// Example: socklb run --vip 127.0.0.1:6444 --backend 10.0.0.1:6443 --backend 10.0.0.2:6443,weight=2
+#[derive(Debug, clap::Args)]
+pub struct RunArgs {
+    /// TOML file with one or more services (conflicts with the service flags).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["vip", "backend", "name", "policy", "all_netns"])]
+    config: Option<PathBuf>,
+    /// VIP that clients connect to (repeatable; IPv4 and IPv6 may share a service).
+    #[arg(long, value_name = "ADDR:PORT")]
+    vip: Vec<String>,
+    /// Backend server, optionally weighted (repeatable).
+    #[arg(long, value_name = "ADDR:PORT[,weight=N]")]
+    backend: Vec<String>,
+    /// Name of the service given by flags.
+    #[arg(long, default_value = "default")]
+    name: String,
+    /// When no backend is healthy: use all of them (fail-open) or refuse with ECONNREFUSED (reject).
+    #[arg(long, value_name = "fail-open|reject")]
+    policy: Option<String>,
+    /// Redirect sockets in every network namespace, not only the daemon's own.
+    #[arg(long)]
+    all_netns: bool,
+    /// Time between health probes of a backend (±20% jitter).
+    #[arg(long, value_name = "DURATION")]
+    health_interval: Option<String>,
+    /// Time a probe may take.
+    #[arg(long, value_name = "DURATION")]
+    health_timeout: Option<String>,
+    /// Consecutive passed probes that make a backend healthy.
+    #[arg(long)]
+    rise: Option<i64>,
+    /// Consecutive failed probes that make a backend unhealthy.
+    #[arg(long)]
+    fall: Option<i64>,
+    /// cgroup v2 directory to attach to [default: the root of the v2 hierarchy].
+    #[arg(long, value_name = "DIR")]
+    cgroup: Option<PathBuf>,
+    #[command(flatten)]
+    pin: super::PinPathArg,
+    /// Remove the data plane on exit instead of leaving it redirecting.
+    #[arg(long)]
+    cleanup_on_exit: bool,
+    /// Log level of the kernel programs, forwarded to this log. Fixed when the
+    /// programs are first loaded; `off` keeps logging out of connect().
+    #[arg(long, value_enum, default_value = "off")]
+    bpf_log: BpfLogLevel,
+}
+
+pub fn run(args: RunArgs) -> anyhow::Result<()> {
+    let config = match &args.config {
+        Some(path) => config::load_file(path)?,
+        None => config::from_flags(RawService {
+            name: Some(args.name.clone()),
+            vips: args.vip.clone(),
+            backends: args.backend.iter().cloned().map(RawBackend::Spec).collect(),
+            policy: args.policy.clone(),
+            all_netns: args.all_netns,
+            health: RawHealth {
+                interval: args.health_interval.clone(),
+                timeout: args.health_timeout.clone(),
+                rise: args.rise,
+                fall: args.fall,
+            },
+        })?,
+    };
+    let options = RunOptions {
+        config,
+        cgroup: args.cgroup,
+        pin_path: args.pin.pin_path,
+        cleanup_on_exit: args.cleanup_on_exit,
+        bpf_log: args.bpf_log,
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(daemon::run(options))?;
+    Ok(())
+}

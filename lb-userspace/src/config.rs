@@ -1,0 +1,948 @@
+//! Configuration: the TOML file and the `run` flags, and their validation.
+//!
+//! Everything is validated before anything touches the kernel. Each problem
+//! becomes a [`FieldError`] that names the field and says what is wrong, and
+//! all problems are reported at once.
+
+use std::{collections::HashSet, fmt, net::SocketAddr, path::Path, time::Duration};
+
+use lb_common::{MAX_BACKENDS, MAX_TABLES, MAX_VIPS, NAME_LEN, SLOTS_PER_LIST};
+use serde::Deserialize;
+
+/// Highest weight a backend may have. Weights expand into table slots, so a
+/// ceiling keeps the ratio between two backends representable.
+pub const MAX_WEIGHT: u32 = 100;
+
+/// One invalid field.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldError {
+    /// Path of the field, for example `service[0].backends[1]`.
+    pub field: String,
+    /// What is wrong with it.
+    pub problem: String,
+}
+
+impl fmt::Display for FieldError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.field, self.problem)
+    }
+}
+
+/// A configuration that cannot be used, with every problem found.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Syntax { path: String, message: String },
+    #[error("invalid configuration:\n{}", list(.0))]
+    Invalid(Vec<FieldError>),
+}
+
+fn list(errors: &[FieldError]) -> String {
+    errors
+        .iter()
+        .map(|error| format!("  {error}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// What happens when no backend of a service is healthy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum NoneHealthyPolicy {
+    /// Use all backends, healthy or not (Envoy's panic mode).
+    #[default]
+    FailOpen,
+    /// Refuse the connect with ECONNREFUSED.
+    Reject,
+}
+
+impl NoneHealthyPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::FailOpen => "fail-open",
+            Self::Reject => "reject",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "fail-open" => Some(Self::FailOpen),
+            "reject" => Some(Self::Reject),
+            _ => None,
+        }
+    }
+}
+
+/// Active health-check settings of one service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HealthSettings {
+    pub interval: Duration,
+    pub timeout: Duration,
+    /// Consecutive successes that make a down backend healthy.
+    pub rise: u32,
+    /// Consecutive failures that make an up backend unhealthy.
+    pub fall: u32,
+}
+
+impl Default for HealthSettings {
+    fn default() -> Self {
+        Self {
+            interval: Duration::from_secs(1),
+            timeout: Duration::from_secs(1),
+            rise: 2,
+            fall: 3,
+        }
+    }
+}
+
+/// One backend of a service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Backend {
+    pub addr: SocketAddr,
+    pub weight: u32,
+}
+
+/// One validated service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Service {
+    pub name: String,
+    pub vips: Vec<SocketAddr>,
+    pub backends: Vec<Backend>,
+    pub policy: NoneHealthyPolicy,
+    /// Redirect sockets of every network namespace, not only the daemon's.
+    pub all_netns: bool,
+    pub health: HealthSettings,
+}
+
+/// A validated configuration: every field was checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    pub services: Vec<Service>,
+}
+
+// ---- The file as written -------------------------------------------------
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawFile {
+    #[serde(default)]
+    service: Vec<RawService>,
+}
+
+/// One service as written in TOML or assembled from flags.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct RawService {
+    pub name: Option<String>,
+    #[serde(default)]
+    pub vips: Vec<String>,
+    #[serde(default)]
+    pub backends: Vec<RawBackend>,
+    pub policy: Option<String>,
+    #[serde(default)]
+    pub all_netns: bool,
+    #[serde(default)]
+    pub health: RawHealth,
+}
+
+/// A backend: `"ADDR:PORT[,weight=N]"` or `{ addr = "…", weight = N }`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum RawBackend {
+    Spec(String),
+    Table(RawBackendTable),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawBackendTable {
+    pub addr: String,
+    pub weight: Option<i64>,
+}
+
+/// Health settings as written; durations are strings such as `"500ms"`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawHealth {
+    pub interval: Option<String>,
+    pub timeout: Option<String>,
+    pub rise: Option<i64>,
+    pub fall: Option<i64>,
+}
+
+/// Reads and validates a config file.
+pub fn load_file(path: &Path) -> Result<Config, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.display().to_string(),
+        source,
+    })?;
+    parse_toml(&text).map_err(|error| match error {
+        ConfigError::Syntax { message, .. } => ConfigError::Syntax {
+            path: path.display().to_string(),
+            message,
+        },
+        other => other,
+    })
+}
+
+/// Parses and validates TOML text.
+pub fn parse_toml(text: &str) -> Result<Config, ConfigError> {
+    let raw: RawFile = toml::from_str(text).map_err(|error| ConfigError::Syntax {
+        path: "config".into(),
+        message: error.to_string().trim_end().to_string(),
+    })?;
+    validate(raw.service, "service")
+}
+
+/// Validates services assembled from flags (field names are the flags').
+pub fn from_flags(service: RawService) -> Result<Config, ConfigError> {
+    validate(vec![service], "flags")
+}
+
+/// Checks every field of every service and returns all problems together.
+pub fn validate(raw: Vec<RawService>, root: &str) -> Result<Config, ConfigError> {
+    let mut errors = Vec::new();
+    if raw.is_empty() {
+        errors.push(field_error(root, "no service is configured"));
+    }
+    let mut services = Vec::new();
+    for (index, raw_service) in raw.into_iter().enumerate() {
+        let prefix = if root == "flags" {
+            String::new()
+        } else {
+            format!("{root}[{index}].")
+        };
+        if let Some(service) = validate_service(raw_service, &prefix, index, &mut errors) {
+            services.push(service);
+        }
+    }
+    check_across_services(&services, root, &mut errors);
+    if errors.is_empty() {
+        Ok(Config { services })
+    } else {
+        Err(ConfigError::Invalid(errors))
+    }
+}
+
+fn field_error(field: impl Into<String>, problem: impl Into<String>) -> FieldError {
+    FieldError {
+        field: field.into(),
+        problem: problem.into(),
+    }
+}
+
+fn validate_service(
+    raw: RawService,
+    prefix: &str,
+    index: usize,
+    errors: &mut Vec<FieldError>,
+) -> Option<Service> {
+    let before = errors.len();
+    let name = raw.name.unwrap_or_else(|| format!("service{index}"));
+    check_name(&name, &format!("{prefix}name"), errors);
+
+    let vip_field = if prefix.is_empty() {
+        "--vip".to_string()
+    } else {
+        format!("{prefix}vips")
+    };
+    let vips: Vec<SocketAddr> = raw
+        .vips
+        .iter()
+        .enumerate()
+        .filter_map(|(i, text)| parse_endpoint(text, &format!("{vip_field}[{i}]"), errors))
+        .collect();
+    if raw.vips.is_empty() {
+        errors.push(field_error(&vip_field, "at least one VIP is required"));
+    }
+    report_duplicates(&vips, &vip_field, "VIP", errors);
+
+    let backend_field = if prefix.is_empty() {
+        "--backend".to_string()
+    } else {
+        format!("{prefix}backends")
+    };
+    let backends: Vec<Backend> = raw
+        .backends
+        .iter()
+        .enumerate()
+        .filter_map(|(i, spec)| parse_backend(spec, &format!("{backend_field}[{i}]"), errors))
+        .collect();
+    if raw.backends.is_empty() {
+        errors.push(field_error(
+            &backend_field,
+            "at least one backend is required",
+        ));
+    }
+    let addrs: Vec<SocketAddr> = backends.iter().map(|backend| backend.addr).collect();
+    report_duplicates(&addrs, &backend_field, "backend", errors);
+    check_families(&vips, &addrs, &vip_field, &backend_field, errors);
+    for vip in &vips {
+        if addrs.contains(vip) {
+            errors.push(field_error(
+                &vip_field,
+                format!("{vip} is also a backend; a VIP that redirects to itself loops"),
+            ));
+        }
+    }
+
+    let policy_field = if prefix.is_empty() {
+        "--policy".into()
+    } else {
+        format!("{prefix}policy")
+    };
+    let policy = match raw.policy.as_deref() {
+        None => NoneHealthyPolicy::default(),
+        Some(text) => NoneHealthyPolicy::parse(text).unwrap_or_else(|| {
+            errors.push(field_error(
+                &policy_field,
+                format!("unknown policy {text:?}; expected \"fail-open\" or \"reject\""),
+            ));
+            NoneHealthyPolicy::default()
+        }),
+    };
+    let health = validate_health(&raw.health, prefix, errors);
+    (errors.len() == before).then_some(Service {
+        name,
+        vips,
+        backends,
+        policy,
+        all_netns: raw.all_netns,
+        health,
+    })
+}
+
+fn check_name(name: &str, field: &str, errors: &mut Vec<FieldError>) {
+    if name.is_empty() {
+        errors.push(field_error(field, "must not be empty"));
+    } else if name.len() >= NAME_LEN {
+        errors.push(field_error(
+            field,
+            format!("longer than {} bytes", NAME_LEN - 1),
+        ));
+    } else if !name
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+    {
+        errors.push(field_error(
+            field,
+            format!("{name:?} may only hold letters, digits, '-', '_' and '.'"),
+        ));
+    }
+}
+
+/// Parses `ADDR:PORT` (IPv6 as `[ADDR]:PORT`).
+fn parse_endpoint(text: &str, field: &str, errors: &mut Vec<FieldError>) -> Option<SocketAddr> {
+    let addr: SocketAddr = match text.trim().parse() {
+        Ok(addr) => addr,
+        Err(_) => {
+            errors.push(field_error(
+                field,
+                format!("{text:?} is not ADDR:PORT (IPv6 as [ADDR]:PORT)"),
+            ));
+            return None;
+        }
+    };
+    if addr.port() == 0 {
+        errors.push(field_error(
+            field,
+            format!("{text:?}: port 0 is not a port"),
+        ));
+        return None;
+    }
+    if addr.ip().is_unspecified() {
+        errors.push(field_error(
+            field,
+            format!("{text:?}: the unspecified address is not a peer"),
+        ));
+        return None;
+    }
+    if let SocketAddr::V6(v6) = addr
+        && v6.ip().to_ipv4_mapped().is_some()
+    {
+        errors.push(field_error(
+            field,
+            format!("{text:?}: write IPv4-mapped addresses as plain IPv4"),
+        ));
+        return None;
+    }
+    Some(addr)
+}
+
+/// Parses the flag form `ADDR:PORT[,weight=N]` or the TOML table form.
+fn parse_backend(raw: &RawBackend, field: &str, errors: &mut Vec<FieldError>) -> Option<Backend> {
+    let (addr_text, weight) = match raw {
+        RawBackend::Table(table) => (table.addr.as_str(), table.weight),
+        RawBackend::Spec(spec) => {
+            let mut parts = spec.split(',');
+            let addr_text = parts.next().unwrap_or_default();
+            let mut weight = None;
+            for option in parts {
+                match option.trim().split_once('=') {
+                    Some(("weight", value)) => match value.trim().parse::<i64>() {
+                        Ok(number) => weight = Some(number),
+                        Err(_) => {
+                            errors.push(field_error(
+                                format!("{field}.weight"),
+                                format!("{value:?} is not a whole number"),
+                            ));
+                            return None;
+                        }
+                    },
+                    _ => {
+                        errors.push(field_error(
+                            field,
+                            format!("unknown option {option:?}; expected weight=N"),
+                        ));
+                        return None;
+                    }
+                }
+            }
+            (addr_text, weight)
+        }
+    };
+    let addr = parse_endpoint(addr_text, field, errors)?;
+    let weight = weight.unwrap_or(1);
+    if !(1..=i64::from(MAX_WEIGHT)).contains(&weight) {
+        errors.push(field_error(
+            format!("{field}.weight"),
+            format!("{weight} is out of range 1..={MAX_WEIGHT}"),
+        ));
+        return None;
+    }
+    Some(Backend {
+        addr,
+        weight: weight as u32,
+    })
+}
+
+fn report_duplicates(addrs: &[SocketAddr], field: &str, what: &str, errors: &mut Vec<FieldError>) {
+    let mut seen = HashSet::new();
+    for addr in addrs {
+        if !seen.insert(addr) {
+            errors.push(field_error(field, format!("{what} {addr} is listed twice")));
+        }
+    }
+}
+
+/// A VIP can only be served by backends of its own family (an IPv4 socket
+/// cannot reach an IPv6 address), so each VIP family needs such backends.
+fn check_families(
+    vips: &[SocketAddr],
+    backends: &[SocketAddr],
+    vip_field: &str,
+    backend_field: &str,
+    errors: &mut Vec<FieldError>,
+) {
+    for (is_v4, family) in [(true, "IPv4"), (false, "IPv6")] {
+        let has_vip = vips.iter().any(|vip| vip.is_ipv4() == is_v4);
+        let count = backends
+            .iter()
+            .filter(|addr| addr.is_ipv4() == is_v4)
+            .count();
+        if has_vip && count == 0 {
+            errors.push(field_error(
+                vip_field,
+                format!("an {family} VIP needs at least one {family} backend"),
+            ));
+        }
+        if count > SLOTS_PER_LIST as usize {
+            errors.push(field_error(
+                backend_field,
+                format!("{count} {family} backends; at most {SLOTS_PER_LIST} per family"),
+            ));
+        }
+    }
+}
+
+fn validate_health(raw: &RawHealth, prefix: &str, errors: &mut Vec<FieldError>) -> HealthSettings {
+    let flags = prefix.is_empty();
+    let name = |toml: &str, flag: &str| {
+        if flags {
+            flag.to_string()
+        } else {
+            format!("{prefix}health.{toml}")
+        }
+    };
+    let defaults = HealthSettings::default();
+    let interval = raw
+        .interval
+        .as_deref()
+        .and_then(|text| {
+            parse_positive_duration(text, &name("interval", "--health-interval"), errors)
+        })
+        .unwrap_or(defaults.interval);
+    let timeout = raw
+        .timeout
+        .as_deref()
+        .and_then(|text| {
+            parse_positive_duration(text, &name("timeout", "--health-timeout"), errors)
+        })
+        .unwrap_or(defaults.timeout);
+    let rise = count_in_range(raw.rise, defaults.rise, &name("rise", "--rise"), errors);
+    let fall = count_in_range(raw.fall, defaults.fall, &name("fall", "--fall"), errors);
+    HealthSettings {
+        interval,
+        timeout,
+        rise,
+        fall,
+    }
+}
+
+fn count_in_range(
+    value: Option<i64>,
+    default: u32,
+    field: &str,
+    errors: &mut Vec<FieldError>,
+) -> u32 {
+    match value {
+        None => default,
+        Some(number @ 1..=100) => number as u32,
+        Some(number) => {
+            errors.push(field_error(
+                field,
+                format!("{number} is out of range 1..=100"),
+            ));
+            default
+        }
+    }
+}
+
+fn parse_positive_duration(
+    text: &str,
+    field: &str,
+    errors: &mut Vec<FieldError>,
+) -> Option<Duration> {
+    match parse_duration(text) {
+        Some(duration)
+            if duration >= Duration::from_millis(10) && duration <= Duration::from_secs(3600) =>
+        {
+            Some(duration)
+        }
+        Some(_) => {
+            errors.push(field_error(
+                field,
+                format!("{text:?} is out of range 10ms..=1h"),
+            ));
+            None
+        }
+        None => {
+            errors.push(field_error(
+                field,
+                format!("{text:?} is not a duration; write it as 500ms, 2s or 1m"),
+            ));
+            None
+        }
+    }
+}
+
+/// Parses `"250ms"`, `"2s"`, `"1.5s"` or `"1m"`.
+pub fn parse_duration(text: &str) -> Option<Duration> {
+    let text = text.trim();
+    let (number, unit_ms) = if let Some(number) = text.strip_suffix("ms") {
+        (number, 1.0)
+    } else if let Some(number) = text.strip_suffix('s') {
+        (number, 1000.0)
+    } else if let Some(number) = text.strip_suffix('m') {
+        (number, 60_000.0)
+    } else {
+        return None;
+    };
+    let value: f64 = number.trim().parse().ok()?;
+    (value.is_finite() && value >= 0.0).then(|| Duration::from_secs_f64(value * unit_ms / 1000.0))
+}
+
+/// Limits that come from the kernel maps' sizes.
+fn check_across_services(services: &[Service], root: &str, errors: &mut Vec<FieldError>) {
+    let mut vip_owner = std::collections::HashMap::new();
+    let mut names = HashSet::new();
+    for (index, service) in services.iter().enumerate() {
+        if !names.insert(service.name.as_str()) {
+            errors.push(field_error(
+                format!("{root}[{index}].name"),
+                format!("service name {:?} is used twice", service.name),
+            ));
+        }
+        for vip in &service.vips {
+            if let Some(other) = vip_owner.insert(*vip, service.name.as_str()) {
+                errors.push(field_error(
+                    format!("{root}[{index}].vips"),
+                    format!("VIP {vip} is also used by service {other:?}"),
+                ));
+            }
+        }
+    }
+    let tables: usize = services.iter().map(table_count).sum();
+    let backends: usize = services.iter().map(|service| service.backends.len()).sum();
+    let vips: usize = services.iter().map(|service| service.vips.len()).sum();
+    for (count, limit, what) in [
+        (tables, MAX_TABLES as usize, "service address families"),
+        (backends, MAX_BACKENDS as usize, "backends"),
+        (vips, MAX_VIPS as usize, "VIPs"),
+    ] {
+        if count > limit {
+            errors.push(field_error(
+                root,
+                format!("{count} {what} in all; at most {limit}"),
+            ));
+        }
+    }
+}
+
+/// Each address family a service has VIPs in gets its own selection table.
+pub fn table_count(service: &Service) -> usize {
+    let v4 = service.vips.iter().any(SocketAddr::is_ipv4);
+    let v6 = service.vips.iter().any(SocketAddr::is_ipv6);
+    usize::from(v4) + usize::from(v6)
+}
+
+impl fmt::Display for Config {
+    /// What `check-config` prints: the configuration as understood.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for service in &self.services {
+            writeln!(f, "service {}", service.name)?;
+            let vips: Vec<String> = service.vips.iter().map(ToString::to_string).collect();
+            writeln!(f, "  vips: {}", vips.join(", "))?;
+            writeln!(
+                f,
+                "  policy: {}{}",
+                service.policy.as_str(),
+                if service.all_netns {
+                    ", all network namespaces"
+                } else {
+                    ", host network namespace only"
+                }
+            )?;
+            let health = &service.health;
+            writeln!(
+                f,
+                "  health: tcp connect every {:?} (±20%), timeout {:?}, rise {}, fall {}",
+                health.interval, health.timeout, health.rise, health.fall
+            )?;
+            for backend in &service.backends {
+                writeln!(f, "  backend {} weight {}", backend.addr, backend.weight)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+        [[service]]
+        name = "apiserver"
+        vips = ["127.0.0.1:6444", "[::1]:6444"]
+        policy = "reject"
+        backends = ["10.0.0.1:6443,weight=2", { addr = "[fd00::1]:6443", weight = 3 }]
+        [service.health]
+        interval = "500ms"
+        timeout = "2s"
+        rise = 1
+        fall = 5
+    "#;
+
+    #[test]
+    fn parses_a_full_service() {
+        let config = parse_toml(GOOD).unwrap();
+        let service = &config.services[0];
+        assert_eq!(service.name, "apiserver");
+        assert_eq!(service.vips.len(), 2);
+        assert_eq!(service.policy, NoneHealthyPolicy::Reject);
+        assert_eq!(
+            service.backends,
+            vec![
+                Backend {
+                    addr: "10.0.0.1:6443".parse().unwrap(),
+                    weight: 2
+                },
+                Backend {
+                    addr: "[fd00::1]:6443".parse().unwrap(),
+                    weight: 3
+                },
+            ]
+        );
+        assert_eq!(
+            service.health,
+            HealthSettings {
+                interval: Duration::from_millis(500),
+                timeout: Duration::from_secs(2),
+                rise: 1,
+                fall: 5
+            }
+        );
+    }
+
+    #[test]
+    fn defaults_apply() {
+        let config =
+            parse_toml("[[service]]\nvips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:2\"]").unwrap();
+        let service = &config.services[0];
+        assert_eq!(service.name, "service0");
+        assert_eq!(service.policy, NoneHealthyPolicy::FailOpen);
+        assert!(!service.all_netns);
+        assert_eq!(service.health, HealthSettings::default());
+        assert_eq!(service.backends[0].weight, 1);
+    }
+
+    fn service_toml(body: &str) -> String {
+        format!("[[service]]\nname = \"s\"\n{body}")
+    }
+
+    /// (what, toml, field that must be named, words the problem must hold)
+    const INVALID: &[(&str, &str, &str, &str)] = &[
+        ("no service", "", "service", "no service"),
+        (
+            "no vip",
+            "backends=[\"127.0.0.2:1\"]",
+            "service[0].vips",
+            "at least one VIP",
+        ),
+        (
+            "no backend",
+            "vips=[\"127.0.0.1:1\"]",
+            "service[0].backends",
+            "at least one backend",
+        ),
+        (
+            "vip not addr",
+            "vips=[\"localhost:1\"]\nbackends=[\"127.0.0.2:1\"]",
+            "service[0].vips[0]",
+            "not ADDR:PORT",
+        ),
+        (
+            "vip port 0",
+            "vips=[\"127.0.0.1:0\"]\nbackends=[\"127.0.0.2:1\"]",
+            "service[0].vips[0]",
+            "port 0",
+        ),
+        (
+            "vip unspecified",
+            "vips=[\"0.0.0.0:1\"]\nbackends=[\"127.0.0.2:1\"]",
+            "service[0].vips[0]",
+            "unspecified",
+        ),
+        (
+            "vip mapped",
+            "vips=[\"[::ffff:127.0.0.1]:1\"]\nbackends=[\"127.0.0.2:1\"]",
+            "service[0].vips[0]",
+            "plain IPv4",
+        ),
+        (
+            "backend no port",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2\"]",
+            "service[0].backends[0]",
+            "not ADDR:PORT",
+        ),
+        (
+            "weight zero",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1,weight=0\"]",
+            "service[0].backends[0].weight",
+            "out of range",
+        ),
+        (
+            "weight large",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[{addr=\"127.0.0.2:1\",weight=101}]",
+            "service[0].backends[0].weight",
+            "out of range",
+        ),
+        (
+            "weight text",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1,weight=x\"]",
+            "service[0].backends[0].weight",
+            "whole number",
+        ),
+        (
+            "unknown backend option",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1,fast\"]",
+            "service[0].backends[0]",
+            "unknown option",
+        ),
+        (
+            "duplicate backend",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\",\"127.0.0.2:1\"]",
+            "service[0].backends",
+            "listed twice",
+        ),
+        (
+            "duplicate vip",
+            "vips=[\"127.0.0.1:1\",\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]",
+            "service[0].vips",
+            "listed twice",
+        ),
+        (
+            "v6 vip without v6 backend",
+            "vips=[\"[::1]:1\"]\nbackends=[\"127.0.0.2:1\"]",
+            "service[0].vips",
+            "IPv6 backend",
+        ),
+        (
+            "v4 vip without v4 backend",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"[::1]:2\"]",
+            "service[0].vips",
+            "IPv4 backend",
+        ),
+        (
+            "vip is backend",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.1:1\"]",
+            "service[0].vips",
+            "loops",
+        ),
+        (
+            "bad policy",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\npolicy=\"open\"",
+            "service[0].policy",
+            "unknown policy",
+        ),
+        (
+            "bad interval",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\nhealth={interval=\"fast\"}",
+            "service[0].health.interval",
+            "not a duration",
+        ),
+        (
+            "tiny timeout",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\nhealth={timeout=\"1ms\"}",
+            "service[0].health.timeout",
+            "out of range",
+        ),
+        (
+            "rise zero",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\nhealth={rise=0}",
+            "service[0].health.rise",
+            "out of range",
+        ),
+        (
+            "fall huge",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\nhealth={fall=1000}",
+            "service[0].health.fall",
+            "out of range",
+        ),
+        (
+            "bad name",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\nname=\"a b\"",
+            "service[0].name",
+            "may only hold",
+        ),
+    ];
+
+    #[test]
+    fn every_validation_error_names_its_field() {
+        for (what, body, field, words) in INVALID {
+            let text = if body.is_empty() {
+                String::new()
+            } else {
+                service_toml(body)
+            };
+            // A duplicate `name` key is a TOML error; the bad-name case sets its own.
+            let text = if what == &"bad name" {
+                format!("[[service]]\n{body}")
+            } else {
+                text
+            };
+            let Err(ConfigError::Invalid(errors)) = parse_toml(&text) else {
+                panic!("{what}: expected a validation error");
+            };
+            assert!(
+                errors
+                    .iter()
+                    .any(|error| error.field == *field && error.problem.contains(words)),
+                "{what}: wanted {field}: …{words}…, got {errors:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn errors_across_services() {
+        let text = r#"
+            [[service]]
+            name = "a"
+            vips = ["127.0.0.1:1"]
+            backends = ["127.0.0.2:1"]
+            [[service]]
+            name = "a"
+            vips = ["127.0.0.1:1"]
+            backends = ["127.0.0.3:1"]
+        "#;
+        let Err(ConfigError::Invalid(errors)) = parse_toml(text) else {
+            panic!("expected errors");
+        };
+        assert!(
+            errors
+                .iter()
+                .any(|e| e.field == "service[1].name" && e.problem.contains("twice"))
+        );
+        assert!(
+            errors
+                .iter()
+                .any(|e| e.field == "service[1].vips" && e.problem.contains("also used"))
+        );
+    }
+
+    #[test]
+    fn unknown_field_and_syntax_are_errors() {
+        let Err(ConfigError::Syntax { message, .. }) =
+            parse_toml("[[service]]\nvips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\ncolour=1")
+        else {
+            panic!("expected a syntax error");
+        };
+        assert!(message.contains("colour"), "{message}");
+        assert!(matches!(
+            parse_toml("[[service]\n"),
+            Err(ConfigError::Syntax { .. })
+        ));
+    }
+
+    #[test]
+    fn flag_errors_name_the_flag() {
+        let raw = RawService {
+            vips: vec!["127.0.0.1:x".into()],
+            backends: vec![RawBackend::Spec("127.0.0.2:1,weight=0".into())],
+            health: RawHealth {
+                rise: Some(0),
+                ..RawHealth::default()
+            },
+            ..RawService::default()
+        };
+        let Err(ConfigError::Invalid(errors)) = from_flags(raw) else {
+            panic!("expected errors");
+        };
+        let fields: Vec<&str> = errors.iter().map(|e| e.field.as_str()).collect();
+        assert!(fields.contains(&"--vip[0]"), "{fields:?}");
+        assert!(fields.contains(&"--backend[0].weight"), "{fields:?}");
+        assert!(fields.contains(&"--rise"), "{fields:?}");
+    }
+
+    #[test]
+    fn too_many_backends_per_family() {
+        let backends: Vec<String> = (0..=SLOTS_PER_LIST)
+            .map(|i| format!("\"10.1.{}.{}:1\"", i / 250, i % 250 + 1))
+            .collect();
+        let text = service_toml(&format!(
+            "vips=[\"127.0.0.1:1\"]\nbackends=[{}]",
+            backends.join(",")
+        ));
+        let Err(ConfigError::Invalid(errors)) = parse_toml(&text) else {
+            panic!("expected errors");
+        };
+        assert!(
+            errors.iter().any(|e| e.problem.contains("per family")),
+            "{errors:?}"
+        );
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("250ms"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_duration("1.5s"), Some(Duration::from_millis(1500)));
+        assert_eq!(parse_duration("1m"), Some(Duration::from_secs(60)));
+        assert_eq!(parse_duration("5"), None);
+        assert_eq!(parse_duration("-1s"), None);
+    }
+}

@@ -1,0 +1,272 @@
+//! `socklb run`: install or adopt the data plane, probe the backends, and
+//! keep the tables in step with their health.
+//!
+//! One task owns all state. Probe tasks only report outcomes to it; it feeds
+//! the trackers, logs each transition once, asks the planner for the new
+//! tables and writes the ones that changed.
+
+use std::{collections::HashMap, path::PathBuf, time::Duration};
+
+use lb_common::{BackendInfo, Settings};
+use tokio::{
+    io::{Interest, unix::AsyncFd},
+    signal::unix::{SignalKind, signal},
+    sync::mpsc,
+};
+use tracing::{info, warn};
+
+use crate::{
+    cgroup::{self, CgroupError},
+    config::Config,
+    health::{HealthTracker, ProbeKind, ProbeReport, probe_loop},
+    kernel::{self, BpfLogLevel, Dataplane, KernelError, PinPaths},
+    planner::{Layout, TableContents, endpoint, plan},
+};
+
+/// How often the daemon checks that the maps still hold what it wrote.
+const RECONCILE_INTERVAL: Duration = Duration::from_secs(5);
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error(transparent)]
+    Cgroup(#[from] CgroupError),
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+    #[error("{what}: {source}")]
+    Io {
+        what: &'static str,
+        source: std::io::Error,
+    },
+}
+
+/// Everything `socklb run` needs, validated.
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    pub config: Config,
+    /// None: the root of the cgroup v2 hierarchy.
+    pub cgroup: Option<PathBuf>,
+    pub pin_path: PathBuf,
+    pub cleanup_on_exit: bool,
+    pub bpf_log: BpfLogLevel,
+}
+
+/// The single owner of health state and of what was written.
+struct State {
+    layout: Layout,
+    trackers: HashMap<u32, HealthTracker>,
+    written: Vec<TableContents>,
+}
+
+impl State {
+    fn is_healthy(&self, backend_id: u32) -> bool {
+        self.trackers
+            .get(&backend_id)
+            .is_some_and(HealthTracker::is_healthy)
+    }
+
+    fn plan(&self) -> Vec<TableContents> {
+        plan(&self.layout, |id| self.is_healthy(id))
+    }
+
+    /// Seeds each tracker from the pinned record of a previous daemon when
+    /// it describes the same backend, so a restart neither re-admits a dead
+    /// backend nor drops a live one.
+    fn seed(&mut self, known: &HashMap<u32, BackendInfo>) {
+        for (table, backend) in self.layout.backends() {
+            let tracker = match known.get(&backend.id) {
+                Some(info)
+                    if info.target == endpoint(&backend.addr)
+                        && info.table_id == table.table_id =>
+                {
+                    HealthTracker::known(&table.health, info.healthy != 0)
+                }
+                _ => HealthTracker::unknown(&table.health),
+            };
+            self.trackers.insert(backend.id, tracker);
+        }
+    }
+
+    /// Writes every table whose contents changed, and the records.
+    fn write_changes(&mut self, dataplane: &mut Dataplane) -> Result<(), KernelError> {
+        let planned = self.plan();
+        dataplane.write_records(&self.layout, |id| self.is_healthy(id))?;
+        for ((table, new), old) in self.layout.tables.iter().zip(&planned).zip(&self.written) {
+            if new != old {
+                dataplane.write_table(table, new)?;
+                info!(
+                    service = %table.service,
+                    healthy_slots = new.healthy.len(),
+                    "table {} replaced", table.table_id
+                );
+            }
+        }
+        self.written = planned;
+        Ok(())
+    }
+
+    /// Restores any VIP entry that no longer matches what was written, and
+    /// says loudly what changed.
+    fn reconcile(
+        &mut self,
+        dataplane: &mut Dataplane,
+        paths: &PinPaths,
+    ) -> Result<(), KernelError> {
+        for program in kernel::PROGRAMS {
+            let link = paths.link(program);
+            if !link.exists() {
+                warn!(
+                    "{} was removed by someone else: {program} is detached",
+                    link.display()
+                );
+            }
+        }
+        let entries: HashMap<_, _> = dataplane.service_entries().into_iter().collect();
+        for (table, contents) in self.layout.tables.iter().zip(&self.written) {
+            let tampered = table.vips.iter().find(|vip| {
+                entries.get(&endpoint(vip)).is_none_or(|entry| {
+                    entry.table_id != table.table_id
+                        || entry.flags != table.flags
+                        || entry.healthy_slots as usize != contents.healthy.len()
+                        || entry.all_slots as usize != contents.all.len()
+                })
+            });
+            if let Some(vip) = tampered {
+                warn!(
+                    "the SERVICES entry of VIP {vip} (service {}) was changed or removed by someone else; restoring it",
+                    table.service
+                );
+                dataplane.write_table(table, contents)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Runs the daemon until SIGTERM or SIGINT.
+pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
+    let cgroup_dir = match &options.cgroup {
+        Some(dir) => dir.clone(),
+        None => cgroup::v2_root()?,
+    };
+    let cgroup_id = cgroup::check_v2_dir(&cgroup_dir)?;
+    let paths = PinPaths::new(&options.pin_path);
+    if kernel::ensure_bpffs(&paths)? {
+        info!("mounted bpffs on /sys/fs/bpf");
+    }
+    let _lock = kernel::lock_pin_dir(&paths)?;
+    let host_netns_cookie = kernel::current_netns_cookie().map_err(|source| DaemonError::Io {
+        what: "reading this network namespace's cookie (SO_NETNS_COOKIE)",
+        source,
+    })?;
+
+    let mut state = State {
+        layout: Layout::from_config(&options.config),
+        trackers: HashMap::new(),
+        written: Vec::new(),
+    };
+    let installed = kernel::install_or_adopt(
+        &paths,
+        &cgroup_dir,
+        cgroup_id,
+        options.bpf_log,
+        |dataplane| {
+            state.seed(&dataplane.backend_records().into_iter().collect());
+            dataplane.write_settings(Settings {
+                host_netns_cookie,
+                attached_cgroup_id: cgroup_id,
+            })?;
+            state.written = state.plan();
+            dataplane.write_all(&state.layout, &state.written, |id| state.is_healthy(id))
+        },
+    )?;
+    let mut dataplane = installed.dataplane;
+    info!(
+        cgroup = %cgroup_dir.display(),
+        pin_path = %paths.dir.display(),
+        services = options.config.services.len(),
+        "{}",
+        if installed.adopted { "adopted the pinned data plane" } else { "installed the data plane" }
+    );
+
+    let mut kernel_logs = match aya_log::EbpfLogger::init_from_id(installed.logging_program_id)
+        .map_err(|error| error.to_string())
+        .and_then(|logger| {
+            // SAFETY: the logger owns its ring buffer's descriptor and keeps
+            // it open and unchanged until the AsyncFd drops it.
+            unsafe { AsyncFd::register_with_interest(logger, Interest::READABLE) }
+                .map_err(|error| error.to_string())
+        }) {
+        Ok(logs) => Some(logs),
+        Err(error) => {
+            warn!("kernel program logs will not be forwarded: {error}");
+            None
+        }
+    };
+
+    let (reports_tx, mut reports) = mpsc::channel::<ProbeReport>(1024);
+    for (table, backend) in state.layout.backends() {
+        tokio::spawn(probe_loop(
+            backend.id,
+            backend.addr,
+            ProbeKind::TcpConnect,
+            table.health,
+            reports_tx.clone(),
+        ));
+    }
+    drop(reports_tx);
+    let addrs: HashMap<u32, _> = state
+        .layout
+        .backends()
+        .map(|(_, backend)| (backend.id, backend.addr))
+        .collect();
+
+    let signal_error = |source| DaemonError::Io {
+        what: "installing signal handlers",
+        source,
+    };
+    let mut sigterm = signal(SignalKind::terminate()).map_err(signal_error)?;
+    let mut sigint = signal(SignalKind::interrupt()).map_err(signal_error)?;
+    let mut reconcile = tokio::time::interval(RECONCILE_INTERVAL);
+    reconcile.tick().await;
+
+    loop {
+        tokio::select! {
+            Some(report) = reports.recv() => {
+                let Some(tracker) = state.trackers.get_mut(&report.backend_id) else { continue };
+                let Some(transition) = tracker.record(&report.outcome, ProbeKind::TcpConnect.describe()) else {
+                    continue;
+                };
+                let message = transition.message(addrs[&report.backend_id]);
+                if transition.healthy { info!("{message}") } else { warn!("{message}") }
+                if let Err(error) = state.write_changes(&mut dataplane) {
+                    warn!("writing the new tables failed, will retry on the next check: {error}");
+                }
+            }
+            _ = sigterm.recv() => { info!("SIGTERM"); break; }
+            _ = sigint.recv() => { info!("SIGINT"); break; }
+            _ = reconcile.tick() => {
+                if let Err(error) = state.reconcile(&mut dataplane, &paths) {
+                    warn!("reconcile failed: {error}");
+                }
+            }
+            Some(mut guard) = async {
+                match kernel_logs.as_mut() {
+                    Some(logs) => logs.readable_mut().await.ok(),
+                    None => std::future::pending().await,
+                }
+            } => {
+                guard.get_inner_mut().flush();
+                guard.clear_ready();
+            }
+        }
+    }
+
+    if options.cleanup_on_exit {
+        drop(dataplane);
+        let removed = kernel::remove_pins(&paths);
+        info!("removed the data plane ({} pins)", removed.len());
+    } else {
+        info!("exiting; the data plane stays in place and keeps redirecting");
+    }
+    Ok(())
+}

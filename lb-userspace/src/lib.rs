@@ -1,0 +1,12 @@
+//! socklb: a node-local load balancer for control-plane endpoints that
+//! redirects `connect()` to a VIP inside the kernel.
+//!
+//! The library holds everything; the `socklb` binary is a thin CLI over it.
+
+pub mod cgroup;
+pub mod config;
+pub mod daemon;
+pub mod health;
+pub mod kernel;
+pub mod planner;
+pub mod status;

@@ -1,0 +1,365 @@
+//! The planner: a pure function from (services, health) to the selection
+//! tables the kernel reads. No I/O, no clock, no hidden state.
+//!
+//! [`Layout`] fixes the ids once per configuration: each service gets one
+//! table per address family of its VIPs, and each backend of that family an
+//! id. [`plan`] then turns the layout plus one health bit per backend into
+//! [`TableContents`]: the weighted healthy list and the all-backends list.
+
+use std::net::{IpAddr, SocketAddr};
+
+use lb_common::{
+    Endpoint, FAMILY_V4, FAMILY_V6, SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY,
+    SLOTS_PER_LIST,
+};
+
+use crate::config::{Config, HealthSettings, NoneHealthyPolicy};
+
+/// A backend with its fixed id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BackendLayout {
+    pub id: u32,
+    pub addr: SocketAddr,
+    pub weight: u32,
+}
+
+/// One selection table: a service's VIPs and backends of one family.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableLayout {
+    pub table_id: u32,
+    pub service: String,
+    pub family: u8,
+    pub flags: u32,
+    pub health: HealthSettings,
+    pub vips: Vec<SocketAddr>,
+    pub backends: Vec<BackendLayout>,
+}
+
+/// Every table of a configuration, with ids assigned in config order, so the
+/// same file always yields the same ids (and a restarted daemon finds its
+/// counters where it left them).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Layout {
+    pub tables: Vec<TableLayout>,
+}
+
+impl Layout {
+    pub fn from_config(config: &Config) -> Self {
+        let mut tables = Vec::new();
+        let mut next_backend_id = 0;
+        for service in &config.services {
+            let mut flags = 0;
+            if service.policy == NoneHealthyPolicy::Reject {
+                flags |= SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY;
+            }
+            if service.all_netns {
+                flags |= SERVICE_FLAG_ALL_NETNS;
+            }
+            for family in [FAMILY_V4, FAMILY_V6] {
+                let vips: Vec<SocketAddr> = service
+                    .vips
+                    .iter()
+                    .copied()
+                    .filter(|vip| family_of(vip) == family)
+                    .collect();
+                if vips.is_empty() {
+                    continue;
+                }
+                let backends = service
+                    .backends
+                    .iter()
+                    .filter(|backend| family_of(&backend.addr) == family)
+                    .map(|backend| {
+                        next_backend_id += 1;
+                        BackendLayout {
+                            id: next_backend_id - 1,
+                            addr: backend.addr,
+                            weight: backend.weight,
+                        }
+                    })
+                    .collect();
+                tables.push(TableLayout {
+                    table_id: tables.len() as u32,
+                    service: service.name.clone(),
+                    family,
+                    flags,
+                    health: service.health,
+                    vips,
+                    backends,
+                });
+            }
+        }
+        Self { tables }
+    }
+
+    /// Every backend of every table.
+    pub fn backends(&self) -> impl Iterator<Item = (&TableLayout, &BackendLayout)> {
+        self.tables
+            .iter()
+            .flat_map(|table| table.backends.iter().map(move |backend| (table, backend)))
+    }
+}
+
+/// What one table holds: backend ids, expanded by weight.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TableContents {
+    pub table_id: u32,
+    /// Used while it is not empty.
+    pub healthy: Vec<u32>,
+    /// Used by fail-open when `healthy` is empty.
+    pub all: Vec<u32>,
+}
+
+/// The planner. `is_healthy(backend_id)` is the health view.
+pub fn plan(layout: &Layout, is_healthy: impl Fn(u32) -> bool) -> Vec<TableContents> {
+    layout
+        .tables
+        .iter()
+        .map(|table| {
+            let weighted = |healthy_only: bool| {
+                let members: Vec<(u32, u32)> = table
+                    .backends
+                    .iter()
+                    .filter(|backend| !healthy_only || is_healthy(backend.id))
+                    .map(|backend| (backend.id, backend.weight))
+                    .collect();
+                expand_weights(&members, SLOTS_PER_LIST as usize)
+            };
+            TableContents {
+                table_id: table.table_id,
+                healthy: weighted(true),
+                all: weighted(false),
+            }
+        })
+        .collect()
+}
+
+/// Expands `(id, weight)` pairs into a list in which each id appears in
+/// proportion to its weight, with at most `capacity` entries and every id at
+/// least once. Weights are first divided by their greatest common divisor,
+/// so equal weights cost one slot each.
+pub fn expand_weights(members: &[(u32, u32)], capacity: usize) -> Vec<u32> {
+    if members.is_empty() {
+        return Vec::new();
+    }
+    let divisor = members
+        .iter()
+        .fold(0, |acc, &(_, weight)| gcd(acc, weight))
+        .max(1);
+    let mut counts: Vec<usize> = members
+        .iter()
+        .map(|&(_, weight)| (weight / divisor) as usize)
+        .collect();
+    let total: usize = counts.iter().sum();
+    if total > capacity {
+        // Scale down, keeping each member at least once; then trim the
+        // largest shares until the list fits.
+        counts = counts
+            .iter()
+            .map(|&count| (count * capacity / total).max(1))
+            .collect();
+        while counts.iter().sum::<usize>() > capacity {
+            let largest = (0..counts.len()).max_by_key(|&i| counts[i]).unwrap_or(0);
+            if counts[largest] <= 1 {
+                break;
+            }
+            counts[largest] -= 1;
+        }
+    }
+    let mut list = Vec::with_capacity(counts.iter().sum());
+    for (&(id, _), &count) in members.iter().zip(&counts) {
+        list.extend(std::iter::repeat_n(id, count));
+    }
+    list.truncate(capacity);
+    list
+}
+
+fn gcd(a: u32, b: u32) -> u32 {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+/// The family constant of an address.
+pub fn family_of(addr: &SocketAddr) -> u8 {
+    if addr.is_ipv4() { FAMILY_V4 } else { FAMILY_V6 }
+}
+
+/// A socket address as the kernel sees it: network byte order.
+pub fn endpoint(addr: &SocketAddr) -> Endpoint {
+    let port_be = addr.port().to_be();
+    match addr.ip() {
+        IpAddr::V4(ip) => Endpoint::v4(u32::from_ne_bytes(ip.octets()), port_be),
+        IpAddr::V6(ip) => {
+            let octets = ip.octets();
+            let word = |i: usize| {
+                u32::from_ne_bytes([octets[i], octets[i + 1], octets[i + 2], octets[i + 3]])
+            };
+            Endpoint::v6([word(0), word(4), word(8), word(12)], port_be)
+        }
+    }
+}
+
+/// The inverse of [`endpoint`]; `None` for a malformed family.
+pub fn socket_addr(endpoint: &Endpoint) -> Option<SocketAddr> {
+    let port = u16::from_be(endpoint.port_be);
+    match endpoint.family {
+        FAMILY_V4 => Some(SocketAddr::from((endpoint.addr_be[0].to_ne_bytes(), port))),
+        FAMILY_V6 => {
+            let mut octets = [0u8; 16];
+            for (chunk, word) in octets.chunks_mut(4).zip(endpoint.addr_be) {
+                chunk.copy_from_slice(&word.to_ne_bytes());
+            }
+            Some(SocketAddr::from((octets, port)))
+        }
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::*;
+    use crate::config::parse_toml;
+
+    fn layout(text: &str) -> Layout {
+        Layout::from_config(&parse_toml(text).unwrap())
+    }
+
+    const TWO_FAMILIES: &str = r#"
+        [[service]]
+        name = "api"
+        vips = ["127.0.0.1:6444", "[::1]:6444"]
+        policy = "reject"
+        backends = ["127.0.0.2:1,weight=2", "[::1]:2", "127.0.0.3:1"]
+        [[service]]
+        name = "etcd"
+        all-netns = true
+        vips = ["127.0.0.1:2379"]
+        backends = ["127.0.0.4:1"]
+    "#;
+
+    #[test]
+    fn layout_assigns_ids_per_family_in_order() {
+        let layout = layout(TWO_FAMILIES);
+        let summary: Vec<(u32, &str, u8, Vec<u32>, u32)> = layout
+            .tables
+            .iter()
+            .map(|t| {
+                (
+                    t.table_id,
+                    t.service.as_str(),
+                    t.family,
+                    t.backends.iter().map(|b| b.id).collect(),
+                    t.flags,
+                )
+            })
+            .collect();
+        assert_eq!(
+            summary,
+            vec![
+                (
+                    0,
+                    "api",
+                    FAMILY_V4,
+                    vec![0, 1],
+                    SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY
+                ),
+                (
+                    1,
+                    "api",
+                    FAMILY_V6,
+                    vec![2],
+                    SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY
+                ),
+                (2, "etcd", FAMILY_V4, vec![3], SERVICE_FLAG_ALL_NETNS),
+            ]
+        );
+    }
+
+    /// (what, healthy backend ids, table 0 healthy list, table 0 all list)
+    type PlanCase<'a> = (&'a str, &'a [u32], &'a [u32], &'a [u32]);
+    /// (what, members, capacity, expected list)
+    type ExpansionCase<'a> = (&'a str, &'a [(u32, u32)], usize, &'a [u32]);
+
+    #[test]
+    fn plan_cases() {
+        let layout = layout(TWO_FAMILIES);
+        let cases: &[PlanCase] = &[
+            (
+                "all healthy, weight 2 doubles",
+                &[0, 1, 2, 3],
+                &[0, 0, 1],
+                &[0, 0, 1],
+            ),
+            ("one down", &[1, 2, 3], &[1], &[0, 0, 1]),
+            ("none healthy", &[], &[], &[0, 0, 1]),
+        ];
+        for (what, healthy, want_healthy, want_all) in cases {
+            let tables = plan(&layout, |id| healthy.contains(&id));
+            assert_eq!(tables.len(), 3, "{what}");
+            assert_eq!(tables[0].healthy, *want_healthy, "{what}");
+            assert_eq!(tables[0].all, *want_all, "{what}");
+        }
+    }
+
+    #[test]
+    fn plan_is_deterministic() {
+        let layout = layout(TWO_FAMILIES);
+        assert_eq!(
+            plan(&layout, |id| id % 2 == 0),
+            plan(&layout, |id| id % 2 == 0)
+        );
+    }
+
+    #[test]
+    fn expansion_cases() {
+        let cases: &[ExpansionCase] = &[
+            ("empty", &[], 8, &[]),
+            ("equal weights cost one slot", &[(7, 5), (9, 5)], 8, &[7, 9]),
+            ("ratio kept", &[(1, 2), (2, 4)], 8, &[1, 2, 2]),
+            ("scaled to fit", &[(1, 1), (2, 9)], 5, &[1, 2, 2, 2, 2]),
+            (
+                "each at least once",
+                &[(1, 1), (2, 1), (3, 98)],
+                4,
+                &[1, 2, 3, 3],
+            ),
+        ];
+        for (what, members, capacity, want) in cases {
+            assert_eq!(expand_weights(members, *capacity), *want, "{what}");
+        }
+    }
+
+    #[test]
+    fn expansion_keeps_proportions_and_capacity() {
+        let members: Vec<(u32, u32)> = (0..300).map(|id| (id, 1 + id % 7)).collect();
+        let list = expand_weights(&members, SLOTS_PER_LIST as usize);
+        assert!(list.len() <= SLOTS_PER_LIST as usize);
+        let mut counts: HashMap<u32, usize> = HashMap::new();
+        for id in &list {
+            *counts.entry(*id).or_default() += 1;
+        }
+        assert_eq!(counts.len(), 300, "every member keeps a slot");
+        assert!(
+            counts[&6] > counts[&0],
+            "weight 7 gets more slots than weight 1"
+        );
+    }
+
+    #[test]
+    fn endpoint_round_trip() {
+        for text in [
+            "127.0.0.1:6444",
+            "[::1]:443",
+            "[fd00::1:2]:65535",
+            "198.18.0.1:1",
+        ] {
+            let addr: SocketAddr = text.parse().unwrap();
+            assert_eq!(socket_addr(&endpoint(&addr)), Some(addr), "{text}");
+        }
+        let v4 = endpoint(&"127.0.0.1:6444".parse().unwrap());
+        // Network byte order in memory: 127 is the first byte.
+        assert_eq!(v4.addr_be[0].to_ne_bytes(), [127, 0, 0, 1]);
+        assert_eq!(v4.port_be.to_ne_bytes(), 6444u16.to_be_bytes());
+    }
+}

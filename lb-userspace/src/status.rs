@@ -1,0 +1,149 @@
+//! `socklb status`: what the pinned maps say, readable with or without a
+//! running daemon.
+
+use std::{collections::BTreeMap, fmt};
+
+use lb_common::{SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY};
+use serde::Serialize;
+
+use crate::{
+    kernel::{Dataplane, table_name},
+    planner::socket_addr,
+};
+
+#[derive(Debug, Serialize, PartialEq, Eq)]
+pub struct StatusReport {
+    pub services: Vec<ServiceStatus>,
+}
+
+#[derive(Debug, Serialize, PartialEq, Eq)]
+pub struct ServiceStatus {
+    pub name: String,
+    pub vips: Vec<String>,
+    /// "fail-open" or "reject".
+    pub policy: String,
+    pub all_netns: bool,
+    /// Connects that found no healthy backend.
+    pub none_healthy: u64,
+    /// Of those, connects refused by the reject policy.
+    pub rejected: u64,
+    pub backends: Vec<BackendStatus>,
+}
+
+#[derive(Debug, Serialize, PartialEq, Eq)]
+pub struct BackendStatus {
+    pub addr: String,
+    pub healthy: bool,
+    pub weight: u32,
+    pub redirects: u64,
+    /// Whether the backend is in the table connects read now.
+    pub in_table: bool,
+}
+
+/// Reads the report from the maps.
+pub fn read(dataplane: &Dataplane) -> StatusReport {
+    let mut services: BTreeMap<String, ServiceStatus> = BTreeMap::new();
+    let mut table_service = BTreeMap::new();
+    let mut tables = dataplane.table_records();
+    tables.sort_by_key(|(id, _)| *id);
+    for (table_id, info) in &tables {
+        let name = table_name(info);
+        let stats = dataplane.table_stats(*table_id);
+        let service = services
+            .entry(name.clone())
+            .or_insert_with(|| ServiceStatus {
+                name: name.clone(),
+                vips: Vec::new(),
+                policy: if info.flags & SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY != 0 {
+                    "reject".into()
+                } else {
+                    "fail-open".into()
+                },
+                all_netns: info.flags & SERVICE_FLAG_ALL_NETNS != 0,
+                none_healthy: 0,
+                rejected: 0,
+                backends: Vec::new(),
+            });
+        service.none_healthy += stats.none_healthy;
+        service.rejected += stats.rejected;
+        table_service.insert(*table_id, name);
+    }
+    let entries = dataplane.service_entries();
+    let mut vips: Vec<(u32, String)> = entries
+        .iter()
+        .filter_map(|(vip, entry)| Some((entry.table_id, socket_addr(vip)?.to_string())))
+        .collect();
+    vips.sort();
+    for (table_id, vip) in vips {
+        if let Some(service) = table_service
+            .get(&table_id)
+            .and_then(|name| services.get_mut(name))
+        {
+            service.vips.push(vip);
+        }
+    }
+    let mut backends = dataplane.backend_records();
+    backends.sort_by_key(|(id, _)| *id);
+    for (backend_id, info) in backends {
+        let Some(service) = table_service
+            .get(&info.table_id)
+            .and_then(|name| services.get_mut(name))
+        else {
+            continue;
+        };
+        let in_table = entries
+            .iter()
+            .find(|(_, entry)| entry.table_id == info.table_id)
+            .is_some_and(|(_, entry)| entry.healthy_slots > 0 && info.healthy != 0);
+        service.backends.push(BackendStatus {
+            addr: socket_addr(&info.target).map_or_else(|| "?".into(), |addr| addr.to_string()),
+            healthy: info.healthy != 0,
+            weight: info.weight,
+            redirects: dataplane.redirects(backend_id),
+            in_table,
+        });
+    }
+    StatusReport {
+        services: services.into_values().collect(),
+    }
+}
+
+impl fmt::Display for StatusReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.services.is_empty() {
+            return writeln!(f, "no services");
+        }
+        for service in &self.services {
+            writeln!(
+                f,
+                "service {}  vips {}  policy {}{}  none-healthy {} rejected {}",
+                service.name,
+                service.vips.join(","),
+                service.policy,
+                if service.all_netns { " all-netns" } else { "" },
+                service.none_healthy,
+                service.rejected
+            )?;
+            writeln!(
+                f,
+                "  {:<44} {:<9} {:>6} {:>10}",
+                "BACKEND", "HEALTH", "WEIGHT", "REDIRECTS"
+            )?;
+            for backend in &service.backends {
+                writeln!(
+                    f,
+                    "  {:<44} {:<9} {:>6} {:>10}",
+                    backend.addr,
+                    if backend.healthy {
+                        "healthy"
+                    } else {
+                        "unhealthy"
+                    },
+                    backend.weight,
+                    backend.redirects
+                )?;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,545 @@
+//! Support for socklb's privileged integration tests and its demo.
+//!
+//! Everything here cleans up after itself in `Drop`, also when a test
+//! panics: child cgroups, daemons (killed by the PID we started), pins.
+//! Traffic goes to loopback only.
+
+use std::{
+    collections::BTreeMap,
+    io::Write,
+    net::{SocketAddr, TcpListener},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use serde::Deserialize;
+
+/// Root of the cgroup v2 hierarchy of this machine.
+pub fn cgroup_v2_root() -> PathBuf {
+    socklb::cgroup::v2_root().unwrap_or_else(|error| panic!("socklb tests need cgroup v2: {error}"))
+}
+
+/// Fails with a clear message unless this runs as root.
+pub fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(
+        unsafe { libc::geteuid() },
+        0,
+        "socklb's integration tests load eBPF programs and must run as root (cargo xtask test does)"
+    );
+}
+
+static UNIQUE: AtomicU64 = AtomicU64::new(0);
+
+/// A name no other test of this or another process uses at the same time.
+pub fn unique_name(label: &str) -> String {
+    format!(
+        "socklb-test-{label}-{}-{}",
+        std::process::id(),
+        UNIQUE.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// A child cgroup v2 directory, removed on drop.
+pub struct Cgroup {
+    pub path: PathBuf,
+}
+
+impl Cgroup {
+    /// A fresh child of the v2 root. Never the root itself.
+    pub fn new(label: &str) -> Self {
+        let path = cgroup_v2_root().join(unique_name(label));
+        std::fs::create_dir(&path)
+            .unwrap_or_else(|error| panic!("creating cgroup {}: {error}", path.display()));
+        Self { path }
+    }
+
+    /// A child of this cgroup, removed on drop (before its parent).
+    pub fn child(&self, name: &str) -> Cgroup {
+        let path = self.path.join(name);
+        std::fs::create_dir(&path)
+            .unwrap_or_else(|error| panic!("creating cgroup {}: {error}", path.display()));
+        Cgroup { path }
+    }
+}
+
+impl Drop for Cgroup {
+    fn drop(&mut self) {
+        // Clients are short-lived processes; give a straggler a moment.
+        for _ in 0..100 {
+            if std::fs::remove_dir(&self.path).is_ok() || !self.path.exists() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        eprintln!("warning: could not remove cgroup {}", self.path.display());
+    }
+}
+
+/// A loopback server that answers each connection with its name and a
+/// newline, then closes it. It can be stopped and started on the same port.
+pub struct Backend {
+    pub name: String,
+    pub addr: SocketAddr,
+    running: Option<(Arc<AtomicBool>, JoinHandle<()>)>,
+}
+
+impl Backend {
+    /// Listens on `ip` and a free port.
+    pub fn start(name: &str, ip: &str) -> Self {
+        let listener = TcpListener::bind((ip, 0))
+            .unwrap_or_else(|error| panic!("backend {name} binding {ip}: {error}"));
+        let addr = listener.local_addr().expect("bound address");
+        let mut backend = Self {
+            name: name.to_string(),
+            addr,
+            running: None,
+        };
+        backend.serve(listener);
+        backend
+    }
+
+    /// Listens on a given address (used by the demo, and to restart).
+    pub fn start_at(name: &str, addr: SocketAddr) -> Self {
+        let mut backend = Self {
+            name: name.to_string(),
+            addr,
+            running: None,
+        };
+        backend.resume();
+        backend
+    }
+
+    fn serve(&mut self, listener: TcpListener) {
+        listener
+            .set_nonblocking(true)
+            .expect("nonblocking listener");
+        let stop = Arc::new(AtomicBool::new(false));
+        let name = self.name.clone();
+        let flag = Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            while !flag.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((mut stream, _)) => {
+                        let _ = stream.set_nonblocking(false);
+                        let _ = writeln!(stream, "{name}");
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(1)),
+                }
+            }
+        });
+        self.running = Some((stop, thread));
+    }
+
+    /// Closes the listening socket: new connects are refused.
+    pub fn stop(&mut self) {
+        if let Some((stop, thread)) = self.running.take() {
+            stop.store(true, Ordering::Relaxed);
+            let _ = thread.join();
+        }
+    }
+
+    /// Listens again on the same address.
+    pub fn resume(&mut self) {
+        if self.running.is_some() {
+            return;
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let listener = loop {
+            match TcpListener::bind(self.addr) {
+                Ok(listener) => break listener,
+                Err(error) if Instant::now() > deadline => {
+                    panic!("backend {} rebinding {}: {error}", self.name, self.addr)
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(20)),
+            }
+        };
+        self.serve(listener);
+    }
+}
+
+impl Drop for Backend {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A port on 127.0.0.1 that nothing listens on right now.
+pub fn free_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind an ephemeral port");
+    listener.local_addr().expect("local address").port()
+}
+
+/// The socklb binary: `SOCKLB_BIN`, or target/<profile>/socklb beside the
+/// running test executable.
+pub fn socklb_bin() -> PathBuf {
+    if let Some(path) = std::env::var_os("SOCKLB_BIN") {
+        return PathBuf::from(path);
+    }
+    let exe = std::env::current_exe().expect("current executable");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps");
+    let candidate = profile_dir.join("socklb");
+    assert!(
+        candidate.exists(),
+        "{} is missing: build it with `cargo build -p lb-userspace` after `cargo xtask build-ebpf`, or run `cargo xtask test`",
+        candidate.display()
+    );
+    candidate
+}
+
+/// The lbclient helper binary, next to socklb.
+pub fn lbclient_bin() -> PathBuf {
+    if let Some(path) = std::env::var_os("LBCLIENT_BIN") {
+        return PathBuf::from(path);
+    }
+    socklb_bin().with_file_name("lbclient")
+}
+
+/// Runs `socklb ARGS` to completion.
+pub fn socklb(args: &[&str]) -> std::process::Output {
+    Command::new(socklb_bin())
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|error| panic!("running socklb {args:?}: {error}"))
+}
+
+/// One connect attempt as lbclient reports it.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Attempt {
+    pub ok: bool,
+    pub served_by: Option<String>,
+    pub peer: Option<String>,
+    pub errno: Option<i32>,
+    pub error: Option<String>,
+}
+
+/// How to run lbclient.
+#[derive(Debug, Clone)]
+pub struct ClientRun<'a> {
+    pub addr: SocketAddr,
+    pub cgroup: Option<&'a Path>,
+    pub count: u32,
+    pub interval_ms: u64,
+    pub new_netns: bool,
+}
+
+impl<'a> ClientRun<'a> {
+    pub fn new(addr: SocketAddr, cgroup: Option<&'a Path>, count: u32) -> Self {
+        Self {
+            addr,
+            cgroup,
+            count,
+            interval_ms: 0,
+            new_netns: false,
+        }
+    }
+
+    fn command(&self) -> Command {
+        let mut command = Command::new(lbclient_bin());
+        command
+            .arg("--addr")
+            .arg(self.addr.to_string())
+            .arg("--count")
+            .arg(self.count.to_string())
+            .arg("--interval-ms")
+            .arg(self.interval_ms.to_string());
+        if let Some(cgroup) = self.cgroup {
+            command.arg("--cgroup").arg(cgroup);
+        }
+        if self.new_netns {
+            command.arg("--new-netns");
+        }
+        command.stdin(Stdio::null());
+        command
+    }
+
+    /// Runs to completion and returns every attempt.
+    pub fn run(&self) -> Vec<Attempt> {
+        let output = self
+            .command()
+            .output()
+            .unwrap_or_else(|error| panic!("running lbclient: {error}"));
+        assert!(
+            output.status.success(),
+            "lbclient failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        parse_attempts(&output.stdout)
+    }
+
+    /// Starts in the background; `ClientProcess::finish` collects it.
+    pub fn spawn(&self) -> ClientProcess {
+        let child = self
+            .command()
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|error| panic!("starting lbclient: {error}"));
+        ClientProcess { child: Some(child) }
+    }
+}
+
+fn parse_attempts(stdout: &[u8]) -> Vec<Attempt> {
+    String::from_utf8_lossy(stdout)
+        .lines()
+        .map(|line| {
+            serde_json::from_str(line)
+                .unwrap_or_else(|error| panic!("lbclient line {line:?}: {error}"))
+        })
+        .collect()
+}
+
+/// A running lbclient, killed on drop if not finished.
+pub struct ClientProcess {
+    child: Option<Child>,
+}
+
+impl ClientProcess {
+    pub fn finish(mut self) -> Vec<Attempt> {
+        let child = self.child.take().expect("not yet finished");
+        let output = child.wait_with_output().expect("waiting for lbclient");
+        assert!(
+            output.status.success(),
+            "lbclient failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        parse_attempts(&output.stdout)
+    }
+}
+
+impl Drop for ClientProcess {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// How many attempts each backend served; failures count under "error".
+pub fn spread(attempts: &[Attempt]) -> BTreeMap<String, usize> {
+    let mut counts = BTreeMap::new();
+    for attempt in attempts {
+        let key = match (&attempt.ok, &attempt.served_by) {
+            (true, Some(name)) => name.clone(),
+            _ => "error".to_string(),
+        };
+        *counts.entry(key).or_default() += 1;
+    }
+    counts
+}
+
+/// A `socklb run` process under guard: on drop it is killed (by its PID)
+/// and its pins are removed.
+pub struct Daemon {
+    pub pin_path: PathBuf,
+    pub args: Vec<String>,
+    child: Option<Child>,
+    log_path: PathBuf,
+}
+
+impl Daemon {
+    /// Starts `socklb run ARGS --pin-path <unique>`. `args` must hold
+    /// `--cgroup` with a test's child cgroup.
+    pub fn start(label: &str, args: &[String]) -> Self {
+        assert!(
+            args.iter().any(|arg| arg == "--cgroup"),
+            "a test daemon must attach to a child cgroup"
+        );
+        let pin_path = PathBuf::from("/sys/fs/bpf").join(unique_name(label));
+        let mut all_args = vec!["run".to_string()];
+        all_args.extend(args.iter().cloned());
+        all_args.push("--pin-path".into());
+        all_args.push(pin_path.display().to_string());
+        let log_path = std::env::temp_dir().join(format!("{}.log", unique_name(label)));
+        let mut daemon = Self {
+            pin_path,
+            args: all_args,
+            child: None,
+            log_path,
+        };
+        daemon.spawn();
+        daemon
+    }
+
+    fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log_path)
+            .expect("daemon log file");
+        let child = Command::new(socklb_bin())
+            .args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log fd"))
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|error| panic!("starting socklb: {error}"));
+        self.child = Some(child);
+    }
+
+    /// The daemon's output so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    /// Sends a signal to the daemon we started.
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: kill on the PID of a child we own and have not reaped.
+        unsafe { libc::kill(self.pid() as i32, signal) };
+    }
+
+    /// SIGKILL, and reap.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Waits for the daemon to exit by itself, at most `limit`.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + limit;
+        let child = self.child.as_mut()?;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = child.try_wait() {
+                self.child = None;
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    /// Starts the same command again (after a kill).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+
+    /// `socklb status --json` of this daemon's pins.
+    pub fn status(&self) -> Option<serde_json::Value> {
+        let pin = self.pin_path.display().to_string();
+        let output = socklb(&["status", "--json", "--pin-path", &pin]);
+        if !output.status.success() {
+            return None;
+        }
+        serde_json::from_slice(&output.stdout).ok()
+    }
+
+    /// Polls status until `ready` holds, at most `limit`; panics with the
+    /// daemon's log otherwise. Returns the time it took.
+    pub fn wait_for(
+        &mut self,
+        what: &str,
+        limit: Duration,
+        ready: impl Fn(&serde_json::Value) -> bool,
+    ) -> Duration {
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            if let Some(child) = self.child.as_mut()
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                panic!(
+                    "socklb exited ({status}) while waiting for {what}:\n{}",
+                    self.log()
+                );
+            }
+            if self.status().as_ref().is_some_and(&ready) {
+                return start.elapsed();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!(
+            "timed out after {limit:?} waiting for {what}; status {:?}\nlog:\n{}",
+            self.status(),
+            self.log()
+        );
+    }
+
+    /// Waits until every listed backend has the given health.
+    pub fn wait_health(
+        &mut self,
+        backends: &[SocketAddr],
+        healthy: bool,
+        limit: Duration,
+    ) -> Duration {
+        let wanted: Vec<String> = backends.iter().map(ToString::to_string).collect();
+        self.wait_for(&format!("{wanted:?} healthy={healthy}"), limit, |status| {
+            wanted.iter().all(|addr| {
+                backend_field(status, addr, "healthy") == Some(serde_json::Value::Bool(healthy))
+            })
+        })
+    }
+}
+
+/// A field of the backend with this address in a status report.
+pub fn backend_field(
+    status: &serde_json::Value,
+    addr: &str,
+    field: &str,
+) -> Option<serde_json::Value> {
+    status["services"]
+        .as_array()?
+        .iter()
+        .flat_map(|service| service["backends"].as_array().into_iter().flatten())
+        .find(|backend| backend["addr"] == addr)
+        .map(|backend| backend[field].clone())
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = socklb::kernel::remove_pins(&socklb::kernel::PinPaths::new(&self.pin_path));
+        if std::thread::panicking() {
+            eprintln!("socklb log ({}):\n{}", self.log_path.display(), self.log());
+        }
+        let _ = std::fs::remove_file(&self.log_path);
+    }
+}
+
+/// Flags for a one-service daemon in `cgroup` with fast health checks.
+pub fn service_args(
+    cgroup: &Path,
+    vips: &[SocketAddr],
+    backends: &[SocketAddr],
+    extra: &[&str],
+) -> Vec<String> {
+    let mut args = vec!["--cgroup".to_string(), cgroup.display().to_string()];
+    for vip in vips {
+        args.push("--vip".into());
+        args.push(vip.to_string());
+    }
+    for backend in backends {
+        args.push("--backend".into());
+        args.push(backend.to_string());
+    }
+    // Fast health checks, unless the test sets its own.
+    for (flag, value) in [
+        ("--health-interval", "200ms"),
+        ("--health-timeout", "200ms"),
+        ("--rise", "2"),
+        ("--fall", "3"),
+    ] {
+        if !extra.contains(&flag) {
+            args.push(flag.into());
+            args.push(value.into());
+        }
+    }
+    args.extend(extra.iter().map(ToString::to_string));
+    args
+}

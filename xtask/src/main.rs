@@ -1,0 +1,118 @@
+//! Developer verbs: `cargo xtask build-ebpf | build | test | demo`.
+//!
+//! Each verb finds or installs what it needs and says what it did.
+
+mod demo;
+mod toolchain;
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(name = "xtask")]
+struct Cli {
+    #[command(subcommand)]
+    command: Verb,
+}
+
+#[derive(Debug, Subcommand)]
+enum Verb {
+    /// Install the eBPF toolchain pieces that are missing, then build the
+    /// eBPF object with BTF.
+    BuildEbpf,
+    /// build-ebpf, then the socklb binary and the test helpers.
+    Build,
+    /// Install the test dependencies and run every test (needs root).
+    Test {
+        /// Extra arguments for `cargo test`, after `--`.
+        #[arg(last = true)]
+        cargo_args: Vec<String>,
+    },
+    /// Run socklb on three demo backends in a child cgroup, show the spread,
+    /// take one backend down and up again, and clean up (needs root).
+    Demo,
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().command {
+        Verb::BuildEbpf => toolchain::build_ebpf(),
+        Verb::Build => build_all(),
+        Verb::Test { cargo_args } => test(&cargo_args),
+        Verb::Demo => {
+            build_all()?;
+            demo::run(&workspace_root())
+        }
+    }
+}
+
+/// The workspace root (the parent of xtask/).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+/// Runs a command, failing with its name when it fails.
+pub fn run_checked(command: &mut Command) -> Result<()> {
+    let shown = format!("{command:?}");
+    let status = command
+        .status()
+        .with_context(|| format!("starting {shown}"))?;
+    if !status.success() {
+        bail!("{shown} failed with {status}");
+    }
+    Ok(())
+}
+
+/// The stable cargo, without the variables the outer `cargo xtask` set.
+pub fn cargo() -> Command {
+    let mut command = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
+    command.current_dir(workspace_root());
+    command
+}
+
+fn build_all() -> Result<()> {
+    toolchain::build_ebpf()?;
+    println!("xtask: building socklb and the test helpers");
+    run_checked(cargo().args([
+        "build",
+        "--bins",
+        "--package",
+        "lb-userspace",
+        "--package",
+        "socklb-tests",
+    ]))
+}
+
+/// Debian packages the tests use, with a command that shows each is there.
+const TEST_PACKAGES: &[(&str, &str)] = &[("bpftool", "bpftool"), ("iproute2", "ip")];
+
+fn test(cargo_args: &[String]) -> Result<()> {
+    if !is_root() {
+        bail!("cargo xtask test loads eBPF programs and creates cgroups: run it as root");
+    }
+    toolchain::install_debian_packages(TEST_PACKAGES)?;
+    build_all()?;
+    let target = workspace_root().join("target/debug");
+    println!("xtask: running every test (unit, then privileged integration tests)");
+    run_checked(
+        cargo()
+            .args(["test", "--workspace"])
+            .args(cargo_args)
+            .env("SOCKLB_BIN", target.join("socklb"))
+            .env("LBCLIENT_BIN", target.join("lbclient")),
+    )
+}
+
+pub fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|output| String::from_utf8_lossy(&output.stdout).trim() == "0")
+}

@@ -1,0 +1,216 @@
+//! The eBPF toolchain: nightly with rust-src, and bpf-linker built against
+//! the nightly's own LLVM. Installed when missing, reported when installed.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{Context, Result, bail};
+
+use crate::{run_checked, workspace_root};
+
+const NIGHTLY: &str = "nightly";
+
+pub fn build_ebpf() -> Result<()> {
+    ensure_nightly()?;
+    ensure_rust_src()?;
+    ensure_bpf_linker()?;
+    let root = workspace_root();
+    println!("xtask: building the eBPF object (lb-ebpf, nightly, BTF)");
+    let mut command = Command::new("rustup");
+    command
+        .args([
+            "run",
+            NIGHTLY,
+            "cargo",
+            "build",
+            "--release",
+            "--target-dir",
+        ])
+        .arg(root.join("target/ebpf"))
+        .current_dir(root.join("lb-ebpf"));
+    // The outer `cargo xtask` exports variables meant for the stable host
+    // build; the eBPF build must pick its own.
+    for variable in [
+        "RUSTC",
+        "RUSTC_WRAPPER",
+        "RUSTUP_TOOLCHAIN",
+        "RUSTFLAGS",
+        "CARGO_ENCODED_RUSTFLAGS",
+        "CARGO_TARGET_DIR",
+        "CARGO_BUILD_TARGET",
+        "CARGO",
+    ] {
+        command.env_remove(variable);
+    }
+    run_checked(&mut command)?;
+    let object = root.join("target/ebpf/bpfel-unknown-none/release/lb-ebpf");
+    if !object.exists() {
+        bail!(
+            "the eBPF build succeeded but {} is missing",
+            object.display()
+        );
+    }
+    println!("xtask: eBPF object at {}", object.display());
+    Ok(())
+}
+
+fn output_of(command: &mut Command) -> Option<String> {
+    let output = command.output().ok()?;
+    output
+        .status
+        .success()
+        .then(|| String::from_utf8_lossy(&output.stdout).into_owned())
+}
+
+fn ensure_nightly() -> Result<()> {
+    let toolchains = output_of(Command::new("rustup").args(["toolchain", "list"])).context(
+        "rustup is needed to build the eBPF crate; install it from your distribution or rustup.rs",
+    )?;
+    if toolchains.lines().any(|line| line.starts_with("nightly")) {
+        return Ok(());
+    }
+    println!("xtask: installing the nightly toolchain (the eBPF crate needs -Z build-std)");
+    run_checked(Command::new("rustup").args(["toolchain", "install", NIGHTLY, "--profile", "minimal"]))
+        .context("the nightly Rust toolchain is missing and could not be installed: run `rustup toolchain install nightly`")
+}
+
+fn ensure_rust_src() -> Result<()> {
+    let installed = output_of(Command::new("rustup").args([
+        "component",
+        "list",
+        "--installed",
+        "--toolchain",
+        NIGHTLY,
+    ]))
+    .unwrap_or_default();
+    if installed.lines().any(|line| line.starts_with("rust-src")) {
+        return Ok(());
+    }
+    println!("xtask: installing rust-src for nightly (needed by -Z build-std=core)");
+    run_checked(Command::new("rustup").args([
+        "component",
+        "add",
+        "rust-src",
+        "--toolchain",
+        NIGHTLY,
+    ]))
+    .context(
+        "rust-src could not be installed: run `rustup component add rust-src --toolchain nightly`",
+    )?;
+    println!("xtask: installed rust-src");
+    Ok(())
+}
+
+/// The nightly's own libLLVM shared library, and its major version.
+fn nightly_llvm() -> Result<(PathBuf, String)> {
+    let sysroot =
+        output_of(Command::new("rustup").args(["run", NIGHTLY, "rustc", "--print", "sysroot"]))
+            .context("cannot ask nightly rustc for its sysroot")?;
+    let lib = Path::new(sysroot.trim()).join("lib");
+    let library = std::fs::read_dir(&lib)
+        .with_context(|| format!("reading {}", lib.display()))?
+        .filter_map(Result::ok)
+        .map(|entry| entry.path())
+        .find(|path| {
+            path.file_name()
+                .and_then(|name| name.to_str())
+                .is_some_and(|name| name.starts_with("libLLVM.so.") && name.contains("-rust-"))
+        })
+        .with_context(|| {
+            format!(
+                "no libLLVM.so.*-rust-* in {}: the nightly has no shared LLVM",
+                lib.display()
+            )
+        })?;
+    let name = library
+        .file_name()
+        .and_then(|name| name.to_str())
+        .unwrap_or_default();
+    let major = name
+        .trim_start_matches("libLLVM.so.")
+        .split('.')
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    if major.is_empty() || !major.chars().all(|c| c.is_ascii_digit()) {
+        bail!("cannot read the LLVM version from {name}");
+    }
+    Ok((library, major))
+}
+
+fn ensure_bpf_linker() -> Result<()> {
+    if output_of(Command::new("bpf-linker").arg("--version")).is_some() {
+        return Ok(());
+    }
+    let (library, major) = nightly_llvm()?;
+    // bpf-linker links the LLVM found under $LLVM_PREFIX/lib; point it at the
+    // nightly's own, so the linker and rustc agree on the bitcode format.
+    let prefix = workspace_root().join("target/llvm-prefix");
+    let lib = prefix.join("lib");
+    std::fs::create_dir_all(&lib).with_context(|| format!("creating {}", lib.display()))?;
+    let file_name = library.file_name().expect("a file");
+    for link in [lib.join("libLLVM.so"), lib.join(file_name)] {
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(&library, &link)
+            .with_context(|| format!("linking {}", link.display()))?;
+    }
+    println!(
+        "xtask: installing bpf-linker against the nightly's LLVM {major} ({})",
+        library.display()
+    );
+    let mut command = Command::new("rustup");
+    command
+        .args([
+            "run",
+            "stable",
+            "cargo",
+            "install",
+            "bpf-linker",
+            "--no-default-features",
+            "--features",
+        ])
+        .arg(format!("llvm-{major}"))
+        .env("LLVM_PREFIX", &prefix);
+    for variable in ["RUSTC", "RUSTUP_TOOLCHAIN", "CARGO_TARGET_DIR", "CARGO"] {
+        command.env_remove(variable);
+    }
+    run_checked(&mut command).context(
+        "bpf-linker could not be built: it needs crates.io and the nightly's libLLVM; \
+         try `LLVM_PREFIX=<dir with lib/libLLVM.so> cargo install bpf-linker --no-default-features --features llvm-<N>`",
+    )?;
+    println!("xtask: installed bpf-linker");
+    Ok(())
+}
+
+/// Installs the Debian packages whose command is missing.
+pub fn install_debian_packages(packages: &[(&str, &str)]) -> Result<()> {
+    let missing: Vec<&str> = packages
+        .iter()
+        .filter(|(_, command)| !has_command(command))
+        .map(|(package, _)| *package)
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    println!("xtask: installing Debian packages: {}", missing.join(" "));
+    run_checked(Command::new("apt-get").args(["update", "-q"]))
+        .context("apt-get update failed; install the packages by hand")?;
+    run_checked(
+        Command::new("apt-get")
+            .args(["install", "-y", "-q", "--no-install-recommends"])
+            .args(&missing)
+            .env("DEBIAN_FRONTEND", "noninteractive"),
+    )
+    .with_context(|| format!("installing {} failed", missing.join(" ")))?;
+    println!("xtask: installed {}", missing.join(" "));
+    Ok(())
+}
+
+pub fn has_command(name: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {name} >/dev/null 2>&1")])
+        .status()
+        .is_ok_and(|status| status.success())
+}

@@ -168,10 +168,14 @@ pub struct BackendInfo {
     pub weight: u32,
     /// 1 while the daemon considers it healthy.
     pub healthy: u8,
-    pub _pad: [u8; 3],
+    /// 1 once a probe has answered (or a previous daemon's verdict was
+    /// adopted); 0 while `healthy` is only the assumption of a fresh start.
+    pub probed: u8,
+    pub _pad: [u8; 2],
 }
 const _: () = assert!(size_of::<BackendInfo>() == 32);
 const _: () = assert!(offset_of!(BackendInfo, healthy) == 28);
+const _: () = assert!(offset_of!(BackendInfo, probed) == 29);
 
 /// Value of `TABLES`, keyed by table id: the service a table serves.
 #[repr(C)]

@@ -19,7 +19,7 @@ use crate::{
     cgroup::{self, CgroupError},
     config::Config,
     health::{HealthTracker, ProbeKind, ProbeReport, probe_loop},
-    kernel::{self, BpfLogLevel, Dataplane, KernelError, PinPaths},
+    kernel::{self, BackendHealth, BpfLogLevel, Dataplane, KernelError, PinPaths},
     planner::{Layout, TableContents, endpoint, plan},
 };
 
@@ -64,6 +64,15 @@ impl State {
             .is_some_and(HealthTracker::is_healthy)
     }
 
+    fn health(&self, backend_id: u32) -> BackendHealth {
+        self.trackers
+            .get(&backend_id)
+            .map_or_else(BackendHealth::default, |tracker| BackendHealth {
+                healthy: tracker.is_healthy(),
+                probed: tracker.is_settled(),
+            })
+    }
+
     fn plan(&self) -> Vec<TableContents> {
         plan(&self.layout, |id| self.is_healthy(id))
     }
@@ -89,7 +98,7 @@ impl State {
     /// Writes every table whose contents changed, and the records.
     fn write_changes(&mut self, dataplane: &mut Dataplane) -> Result<(), KernelError> {
         let planned = self.plan();
-        dataplane.write_records(&self.layout, |id| self.is_healthy(id))?;
+        dataplane.write_records(&self.layout, |id| self.health(id))?;
         for ((table, new), old) in self.layout.tables.iter().zip(&planned).zip(&self.written) {
             if new != old {
                 dataplane.write_table(table, new)?;
@@ -176,7 +185,7 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
                 attached_cgroup_id: cgroup_id,
             })?;
             state.written = state.plan();
-            dataplane.write_all(&state.layout, &state.written, |id| state.is_healthy(id))
+            dataplane.write_all(&state.layout, &state.written, |id| state.health(id))
         },
     )?;
     let mut dataplane = installed.dataplane;
@@ -233,11 +242,17 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
         tokio::select! {
             Some(report) = reports.recv() => {
                 let Some(tracker) = state.trackers.get_mut(&report.backend_id) else { continue };
-                let Some(transition) = tracker.record(&report.outcome, ProbeKind::TcpConnect.describe()) else {
+                let was_settled = tracker.is_settled();
+                let transition = tracker.record(&report.outcome, ProbeKind::TcpConnect.describe());
+                // A first answer that confirms the assumed state changes no
+                // table, but status must stop calling the backend unknown.
+                let newly_settled = !was_settled && tracker.is_settled();
+                if let Some(transition) = &transition {
+                    let message = transition.message(addrs[&report.backend_id]);
+                    if transition.healthy { info!("{message}") } else { warn!("{message}") }
+                } else if !newly_settled {
                     continue;
-                };
-                let message = transition.message(addrs[&report.backend_id]);
-                if transition.healthy { info!("{message}") } else { warn!("{message}") }
+                }
                 if let Err(error) = state.write_changes(&mut dataplane) {
                     warn!("writing the new tables failed, will retry on the next check: {error}");
                 }

@@ -133,6 +133,11 @@ impl HealthTracker {
         self.healthy
     }
 
+    /// False until a probe has answered (or the state was known).
+    pub fn is_settled(&self) -> bool {
+        self.settled
+    }
+
     /// Feeds one probe outcome; returns the transition if the state changed.
     pub fn record(
         &mut self,

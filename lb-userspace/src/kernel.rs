@@ -173,6 +173,14 @@ impl BpfLogLevel {
     }
 }
 
+/// What the records say about one backend's health.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BackendHealth {
+    pub healthy: bool,
+    /// False while `healthy` is only assumed (no probe has answered yet).
+    pub probed: bool,
+}
+
 /// The maps, opened with their key and value types.
 pub struct Dataplane {
     services: BpfHashMap<MapData, Endpoint, ServiceEntry>,
@@ -302,7 +310,7 @@ impl Dataplane {
     pub fn write_records(
         &mut self,
         layout: &Layout,
-        is_healthy: impl Fn(u32) -> bool,
+        health: impl Fn(u32) -> BackendHealth,
     ) -> Result<(), KernelError> {
         for table in &layout.tables {
             let info = table_info(table);
@@ -317,12 +325,14 @@ impl Dataplane {
             }
         }
         for (table, backend) in layout.backends() {
+            let state = health(backend.id);
             let info = BackendInfo {
                 target: endpoint(&backend.addr),
                 table_id: table.table_id,
                 weight: backend.weight,
-                healthy: u8::from(is_healthy(backend.id)),
-                _pad: [0; 3],
+                healthy: u8::from(state.healthy),
+                probed: u8::from(state.probed),
+                _pad: [0; 2],
             };
             let old = self.backends.get(&backend.id, 0).ok();
             if old.is_none_or(|old| old.target != info.target || old.table_id != info.table_id) {
@@ -381,9 +391,9 @@ impl Dataplane {
         &mut self,
         layout: &Layout,
         contents: &[TableContents],
-        is_healthy: impl Fn(u32) -> bool,
+        health: impl Fn(u32) -> BackendHealth,
     ) -> Result<(), KernelError> {
-        self.write_records(layout, is_healthy)?;
+        self.write_records(layout, health)?;
         for (table, table_contents) in layout.tables.iter().zip(contents) {
             self.write_table(table, table_contents)?;
         }

@@ -34,6 +34,8 @@ pub struct ServiceStatus {
 pub struct BackendStatus {
     pub addr: String,
     pub healthy: bool,
+    /// False while `healthy` is only assumed: no probe has answered yet.
+    pub probed: bool,
     pub weight: u32,
     pub redirects: u64,
     /// Whether the backend is in the table connects read now.
@@ -98,6 +100,7 @@ pub fn read(dataplane: &Dataplane) -> StatusReport {
         service.backends.push(BackendStatus {
             addr: socket_addr(&info.target).map_or_else(|| "?".into(), |addr| addr.to_string()),
             healthy: info.healthy != 0,
+            probed: info.probed != 0,
             weight: info.weight,
             redirects: dataplane.redirects(backend_id),
             in_table,

@@ -471,7 +471,7 @@ impl Daemon {
         );
     }
 
-    /// Waits until every listed backend has the given health.
+    /// Waits until a probe has given every listed backend the given health.
     pub fn wait_health(
         &mut self,
         backends: &[SocketAddr],
@@ -481,7 +481,9 @@ impl Daemon {
         let wanted: Vec<String> = backends.iter().map(ToString::to_string).collect();
         self.wait_for(&format!("{wanted:?} healthy={healthy}"), limit, |status| {
             wanted.iter().all(|addr| {
-                backend_field(status, addr, "healthy") == Some(serde_json::Value::Bool(healthy))
+                backend_field(status, addr, "probed") == Some(serde_json::Value::Bool(true))
+                    && backend_field(status, addr, "healthy")
+                        == Some(serde_json::Value::Bool(healthy))
             })
         })
     }

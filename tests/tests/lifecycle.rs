@@ -1,0 +1,457 @@
+//! The data plane's lifetime: it outlives the daemon, is adopted without a
+//! gap, is removed completely by uninstall (and only ours), survives table
+//! churn without a half-written table, and a bad config never touches it.
+
+use std::{
+    net::SocketAddr,
+    path::Path,
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use socklb::{
+    config::parse_toml,
+    kernel::{Dataplane, PinPaths},
+    planner::{Layout, plan},
+};
+use socklb_tests::{
+    Backend, Cgroup, ClientRun, Daemon, free_port, require_root, service_args, socklb, spread,
+};
+
+fn three_backends() -> Vec<Backend> {
+    ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+        .iter()
+        .enumerate()
+        .map(|(i, ip)| Backend::start(&format!("b{i}"), ip))
+        .collect()
+}
+
+fn addrs(backends: &[Backend]) -> Vec<SocketAddr> {
+    backends.iter().map(|backend| backend.addr).collect()
+}
+
+fn vip() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], free_port()))
+}
+
+fn bpftool(args: &[&str]) -> std::process::Output {
+    Command::new("bpftool")
+        .args(args)
+        .output()
+        .unwrap_or_else(|error| panic!("running bpftool (Debian package bpftool): {error}"))
+}
+
+fn bpftool_json(args: &[&str]) -> serde_json::Value {
+    let mut all = vec!["-j"];
+    all.extend_from_slice(args);
+    let output = bpftool(&all);
+    assert!(
+        output.status.success(),
+        "bpftool {args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).expect("bpftool JSON")
+}
+
+/// (link id, program id) of each pinned link of a daemon.
+fn pinned_links(pin_path: &Path) -> Vec<(u64, u64)> {
+    socklb::kernel::PROGRAMS
+        .iter()
+        .map(|program| {
+            let path = PinPaths::new(pin_path).link(program);
+            let link = bpftool_json(&["link", "show", "pinned", &path.display().to_string()]);
+            (
+                link["id"].as_u64().expect("link id"),
+                link["prog_id"].as_u64().expect("prog id"),
+            )
+        })
+        .collect()
+}
+
+/// `bpftool map dump` of the small maps, which a bad config must not change.
+fn dump_small_maps(pin_path: &Path) -> String {
+    ["SERVICES", "BACKENDS", "TABLES", "SETTINGS"]
+        .iter()
+        .map(|map| {
+            let output = bpftool(&[
+                "map",
+                "dump",
+                "pinned",
+                &pin_path.join(map).display().to_string(),
+            ]);
+            assert!(output.status.success(), "dump {map}");
+            String::from_utf8_lossy(&output.stdout).into_owned()
+        })
+        .collect()
+}
+
+#[test]
+fn sigkill_and_restart_while_a_client_connects_fails_no_connect() {
+    require_root();
+    let cgroup = Cgroup::new("restart");
+    let backends = three_backends();
+    let vip = vip();
+    let mut daemon = Daemon::start(
+        "restart",
+        &service_args(&cgroup.path, &[vip], &addrs(&backends), &[]),
+    );
+    daemon.wait_health(&addrs(&backends), true, Duration::from_secs(10));
+
+    let mut run = ClientRun::new(vip, Some(&cgroup.path), 600);
+    run.interval_ms = 5;
+    let client = run.spawn();
+    std::thread::sleep(Duration::from_millis(500));
+    daemon.kill();
+    std::thread::sleep(Duration::from_millis(500));
+    daemon.restart();
+    daemon.wait_health(&addrs(&backends), true, Duration::from_secs(10));
+    let attempts = client.finish();
+
+    assert_eq!(attempts.len(), 600);
+    let counts = spread(&attempts);
+    assert_eq!(
+        counts.get("error"),
+        None,
+        "no connect may fail across kill and restart: {counts:?}"
+    );
+    assert!(
+        daemon.log().contains("adopted the pinned data plane"),
+        "{}",
+        daemon.log()
+    );
+}
+
+#[test]
+fn sigterm_leaves_the_data_plane_and_cleanup_on_exit_removes_it() {
+    require_root();
+    let cgroup = Cgroup::new("sigterm");
+    let backend = Backend::start("b0", "127.0.0.2");
+    let vip = vip();
+    let mut daemon = Daemon::start(
+        "sigterm",
+        &service_args(&cgroup.path, &[vip], &[backend.addr], &[]),
+    );
+    daemon.wait_health(&[backend.addr], true, Duration::from_secs(10));
+    daemon.signal(libc::SIGTERM);
+    let status = daemon
+        .wait_exit(Duration::from_secs(5))
+        .expect("exits on SIGTERM");
+    assert!(status.success(), "{status}");
+    let attempts = ClientRun::new(vip, Some(&cgroup.path), 3).run();
+    assert!(
+        attempts
+            .iter()
+            .all(|a| a.served_by.as_deref() == Some("b0")),
+        "still redirecting: {attempts:?}"
+    );
+    let report = daemon.status().expect("status works without a daemon");
+    assert_eq!(
+        report["services"][0]["backends"][0]["redirects"],
+        serde_json::json!(3)
+    );
+
+    let cleanup_cgroup = Cgroup::new("cleanup");
+    let mut cleaning = Daemon::start(
+        "cleanup",
+        &service_args(
+            &cleanup_cgroup.path,
+            &[vip],
+            &[backend.addr],
+            &["--cleanup-on-exit"],
+        ),
+    );
+    cleaning.wait_health(&[backend.addr], true, Duration::from_secs(10));
+    cleaning.signal(libc::SIGINT);
+    assert!(
+        cleaning
+            .wait_exit(Duration::from_secs(5))
+            .expect("exits on SIGINT")
+            .success()
+    );
+    assert!(
+        !cleaning.pin_path.exists(),
+        "--cleanup-on-exit removes the pins"
+    );
+    let attempts = ClientRun::new(vip, Some(&cleanup_cgroup.path), 2).run();
+    assert!(
+        attempts.iter().all(|a| !a.ok),
+        "no longer redirected: {attempts:?}"
+    );
+}
+
+#[test]
+fn uninstall_removes_our_pins_links_and_programs_and_nothing_else() {
+    require_root();
+    let cgroup = Cgroup::new("uninstall");
+    let backend = Backend::start("b0", "127.0.0.2");
+    let other_backend = Backend::start("other", "127.0.0.3");
+    let (ours_vip, other_vip) = (vip(), vip());
+    let mut ours = Daemon::start(
+        "uninstall",
+        &service_args(&cgroup.path, &[ours_vip], &[backend.addr], &[]),
+    );
+    // A second, independent socklb on the same cgroup stands in for another
+    // program on the same hooks (Cilium, Calico): it must survive.
+    let mut other = Daemon::start(
+        "neighbour",
+        &service_args(&cgroup.path, &[other_vip], &[other_backend.addr], &[]),
+    );
+    ours.wait_health(&[backend.addr], true, Duration::from_secs(10));
+    other.wait_health(&[other_backend.addr], true, Duration::from_secs(10));
+    let links = pinned_links(&ours.pin_path);
+    ours.kill();
+
+    let output = socklb(&[
+        "uninstall",
+        "--pin-path",
+        &ours.pin_path.display().to_string(),
+    ]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(!ours.pin_path.exists(), "pin directory removed");
+    // Programs are freed after an RCU grace period: poll briefly.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    for (link_id, program_id) in &links {
+        loop {
+            let link_gone = !bpftool(&["link", "show", "id", &link_id.to_string()])
+                .status
+                .success();
+            let program_gone = !bpftool(&["prog", "show", "id", &program_id.to_string()])
+                .status
+                .success();
+            if link_gone && program_gone {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "link {link_id} or program {program_id} still exists"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+    let attempts = ClientRun::new(ours_vip, Some(&cgroup.path), 2).run();
+    assert!(
+        attempts.iter().all(|a| !a.ok),
+        "our VIP no longer redirects: {attempts:?}"
+    );
+    let attempts = ClientRun::new(other_vip, Some(&cgroup.path), 3).run();
+    assert!(
+        attempts
+            .iter()
+            .all(|a| a.served_by.as_deref() == Some("other")),
+        "the neighbour on the same cgroup still redirects: {attempts:?}"
+    );
+    assert_eq!(pinned_links(&other.pin_path).len(), 4);
+
+    let again = socklb(&[
+        "uninstall",
+        "--pin-path",
+        &ours.pin_path.display().to_string(),
+    ]);
+    assert!(
+        !again.status.success(),
+        "a second uninstall says there is nothing"
+    );
+    assert!(String::from_utf8_lossy(&again.stderr).contains("nothing of socklb is pinned"));
+}
+
+#[test]
+fn bpftool_map_dump_prints_named_fields() {
+    require_root();
+    let cgroup = Cgroup::new("btf");
+    let backend = Backend::start("b0", "127.0.0.2");
+    let mut daemon = Daemon::start(
+        "btf",
+        &service_args(&cgroup.path, &[vip()], &[backend.addr], &[]),
+    );
+    daemon.wait_health(&[backend.addr], true, Duration::from_secs(10));
+    let dump = dump_small_maps(&daemon.pin_path);
+    for field in [
+        "addr_be",
+        "port_be",
+        "healthy_slots",
+        "bank_base",
+        "weight",
+        "probed",
+        "host_netns_cookie",
+    ] {
+        assert!(
+            dump.contains(&format!("\"{field}\"")),
+            "bpftool shows {field}:\n{dump}"
+        );
+    }
+}
+
+#[test]
+fn a_bad_config_leaves_the_kernel_untouched() {
+    require_root();
+    let cgroup = Cgroup::new("badconfig");
+    let backend = Backend::start("b0", "127.0.0.2");
+    let vip = vip();
+    let mut daemon = Daemon::start(
+        "badconfig",
+        &service_args(&cgroup.path, &[vip], &[backend.addr], &[]),
+    );
+    daemon.wait_health(&[backend.addr], true, Duration::from_secs(10));
+    daemon.kill();
+    let pin = daemon.pin_path.display().to_string();
+    let before = dump_small_maps(&daemon.pin_path);
+    let links_before = pinned_links(&daemon.pin_path);
+
+    let file = std::env::temp_dir().join(format!("{}.toml", socklb_tests::unique_name("bad")));
+    std::fs::write(
+        &file,
+        format!("[[service]]\nname = \"x\"\nvips = [\"{vip}\"]\nbackends = [\"127.0.0.3:0\"]\n"),
+    )
+    .expect("write config");
+    let cgroup_arg = cgroup.path.display().to_string();
+    let file_arg = file.display().to_string();
+    let cases: [(&str, Vec<&str>, &str); 3] = [
+        (
+            "bad file",
+            vec!["--config", &file_arg],
+            "service[0].backends[0]",
+        ),
+        (
+            "bad flag",
+            vec!["--vip", "127.0.0.1", "--backend", "127.0.0.3:1"],
+            "--vip[0]",
+        ),
+        (
+            "bad weight",
+            vec!["--vip", "127.0.0.1:9", "--backend", "127.0.0.3:1,weight=-1"],
+            "--backend[0].weight",
+        ),
+    ];
+    for (what, args, field) in cases {
+        let mut all = vec!["run", "--cgroup", &cgroup_arg, "--pin-path", &pin];
+        all.extend(args);
+        let output = socklb(&all);
+        assert_eq!(output.status.code(), Some(2), "{what}: exit status 2");
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            stderr.contains(field),
+            "{what}: the error names {field}: {stderr}"
+        );
+    }
+    let bad_cgroup = socklb(&[
+        "run",
+        "--cgroup",
+        "/tmp",
+        "--pin-path",
+        &pin,
+        "--vip",
+        "127.0.0.1:9",
+        "--backend",
+        "127.0.0.3:1",
+    ]);
+    assert_eq!(bad_cgroup.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&bad_cgroup.stderr).contains("--cgroup /tmp"));
+    std::fs::remove_file(&file).expect("remove config");
+
+    assert_eq!(dump_small_maps(&daemon.pin_path), before, "maps unchanged");
+    assert_eq!(
+        pinned_links(&daemon.pin_path),
+        links_before,
+        "links unchanged"
+    );
+    let attempts = ClientRun::new(vip, Some(&cgroup.path), 3).run();
+    assert!(
+        attempts
+            .iter()
+            .all(|a| a.served_by.as_deref() == Some("b0")),
+        "{attempts:?}"
+    );
+
+    // On a fresh pin path, a bad config creates nothing at all.
+    let fresh = std::path::PathBuf::from("/sys/fs/bpf").join(socklb_tests::unique_name("fresh"));
+    let fresh_arg = fresh.display().to_string();
+    let output = socklb(&[
+        "run",
+        "--cgroup",
+        &cgroup_arg,
+        "--pin-path",
+        &fresh_arg,
+        "--vip",
+        "127.0.0.1:9",
+    ]);
+    assert_eq!(output.status.code(), Some(2));
+    assert!(!fresh.exists(), "nothing pinned for a bad config");
+
+    let check = socklb(&[
+        "check-config",
+        &format!("{}", Path::new("/nonexistent/socklb.toml").display()),
+    ]);
+    assert_eq!(check.status.code(), Some(2));
+}
+
+#[test]
+fn table_swaps_under_churn_never_show_a_half_written_table() {
+    require_root();
+    let cgroup = Cgroup::new("churn");
+    let backends = three_backends();
+    let vip = vip();
+    let mut daemon = Daemon::start(
+        "churn",
+        &service_args(&cgroup.path, &[vip], &addrs(&backends), &[]),
+    );
+    daemon.wait_health(&addrs(&backends), true, Duration::from_secs(10));
+    // Stop the daemon (the data plane stays) so that only this test writes.
+    daemon.signal(libc::SIGTERM);
+    daemon
+        .wait_exit(Duration::from_secs(5))
+        .expect("daemon exits");
+
+    let text = format!(
+        "[[service]]\nname = \"default\"\nvips = [\"{vip}\"]\nbackends = [{}]\n",
+        addrs(&backends)
+            .iter()
+            .map(|addr| format!("\"{addr}\""))
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    let layout = Layout::from_config(&parse_toml(&text).expect("config"));
+    let table = &layout.tables[0];
+    // Two tables with different sizes: {b0} and {b1 ×1, b2 ×1}.
+    let only_first = plan(&layout, |id| id == 0);
+    let the_others = plan(&layout, |id| id != 0);
+    let mut dataplane =
+        Dataplane::open_pinned(&PinPaths::new(&daemon.pin_path)).expect("open pins");
+
+    let mut run = ClientRun::new(vip, Some(&cgroup.path), 1500);
+    run.interval_ms = 1;
+    let client = run.spawn();
+    let mut banks = Vec::new();
+    let started = Instant::now();
+    let mut swaps = 0;
+    // Swap for as long as the client runs (about 2 s), bounded in count.
+    while swaps < 100_000 && started.elapsed() < Duration::from_secs(3) {
+        let contents = if swaps % 2 == 0 {
+            &only_first[0]
+        } else {
+            &the_others[0]
+        };
+        dataplane.write_table(table, contents).expect("swap");
+        let entry = dataplane.service_entries()[0].1;
+        banks.push(entry.bank_base);
+        swaps += 1;
+        std::thread::sleep(Duration::from_micros(100));
+    }
+    let attempts = client.finish();
+    eprintln!("{swaps} table swaps while {} connects ran", attempts.len());
+    assert!(swaps >= 500, "only {swaps} swaps");
+    assert!(
+        banks.windows(2).all(|pair| pair[0] != pair[1]),
+        "every swap flips to the idle bank"
+    );
+    let counts = spread(&attempts);
+    assert_eq!(
+        counts.get("error"),
+        None,
+        "no connect saw a broken table: {counts:?}"
+    );
+    assert!(counts.len() == 3, "connects saw both tables: {counts:?}");
+}

@@ -4,10 +4,18 @@
 //! becomes a [`FieldError`] that names the field and says what is wrong, and
 //! all problems are reported at once.
 
-use std::{collections::HashSet, fmt, net::SocketAddr, path::Path, time::Duration};
+use std::{
+    collections::HashSet,
+    fmt,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use lb_common::{MAX_BACKENDS, MAX_TABLES, MAX_VIPS, NAME_LEN, SLOTS_PER_LIST};
 use serde::Deserialize;
+
+use crate::probe::{ProbeSpec, Prober, TlsOptions};
 
 /// Highest weight a backend may have. Weights expand into table slots, so a
 /// ceiling keeps the ratio between two backends representable.
@@ -78,9 +86,13 @@ impl NoneHealthyPolicy {
 }
 
 /// Active health-check settings of one service.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HealthSettings {
+    /// What a probe does.
+    pub probe: ProbeSpec,
     pub interval: Duration,
+    /// Interval while a backend is down (HAProxy's `downinter`).
+    pub down_interval: Duration,
     pub timeout: Duration,
     /// Consecutive successes that make a down backend healthy.
     pub rise: u32,
@@ -91,13 +103,26 @@ pub struct HealthSettings {
 impl Default for HealthSettings {
     fn default() -> Self {
         Self {
+            probe: ProbeSpec::Tcp,
             interval: Duration::from_secs(1),
+            down_interval: Duration::from_secs(1),
             timeout: Duration::from_secs(1),
             rise: 2,
             fall: 3,
         }
     }
 }
+
+/// The built-in probe presets: (name, path, what it is for).
+pub const PRESETS: [(&str, &str, &str); 3] = [
+    ("apiserver", "/readyz", "kube-apiserver readiness, https"),
+    ("supervisor", "/ping", "k3s/rke2 supervisor, https"),
+    (
+        "etcd",
+        "/health",
+        "etcd client port, https with a client certificate",
+    ),
+];
 
 /// One backend of a service.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -166,12 +191,32 @@ pub struct RawBackendTable {
 
 /// Health settings as written; durations are strings such as `"500ms"`.
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
 pub struct RawHealth {
+    /// `tcp`, `tls`, `http`, `https`, `http:PATH`, `https:PATH`, or a preset
+    /// (`apiserver`, `supervisor`, `etcd`).
+    pub kind: Option<String>,
+    pub path: Option<String>,
+    /// Accepted HTTP statuses: `[200, 401]` or `"200,401"`.
+    pub statuses: Option<RawStatuses>,
+    pub host: Option<String>,
+    pub ca: Option<PathBuf>,
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+    pub server_name: Option<String>,
     pub interval: Option<String>,
+    pub down_interval: Option<String>,
     pub timeout: Option<String>,
     pub rise: Option<i64>,
     pub fall: Option<i64>,
+}
+
+/// Status codes as a TOML list or as the flag's comma-separated text.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum RawStatuses {
+    List(Vec<i64>),
+    Text(String),
 }
 
 /// Reads and validates a config file.
@@ -469,28 +514,188 @@ fn validate_health(raw: &RawHealth, prefix: &str, errors: &mut Vec<FieldError>) 
         }
     };
     let defaults = HealthSettings::default();
-    let interval = raw
-        .interval
-        .as_deref()
-        .and_then(|text| {
-            parse_positive_duration(text, &name("interval", "--health-interval"), errors)
-        })
+    let duration = |text: &Option<String>, field: String, errors: &mut Vec<FieldError>| {
+        text.as_deref()
+            .and_then(|text| parse_positive_duration(text, &field, errors))
+    };
+    let interval = duration(&raw.interval, name("interval", "--health-interval"), errors)
         .unwrap_or(defaults.interval);
-    let timeout = raw
-        .timeout
-        .as_deref()
-        .and_then(|text| {
-            parse_positive_duration(text, &name("timeout", "--health-timeout"), errors)
-        })
+    let down_interval = duration(
+        &raw.down_interval,
+        name("down-interval", "--health-down-interval"),
+        errors,
+    )
+    .unwrap_or(interval);
+    let timeout = duration(&raw.timeout, name("timeout", "--health-timeout"), errors)
         .unwrap_or(defaults.timeout);
     let rise = count_in_range(raw.rise, defaults.rise, &name("rise", "--rise"), errors);
     let fall = count_in_range(raw.fall, defaults.fall, &name("fall", "--fall"), errors);
+    let probe = validate_probe(raw, &name, errors).unwrap_or_default();
     HealthSettings {
+        probe,
         interval,
+        down_interval,
         timeout,
         rise,
         fall,
     }
+}
+
+/// Resolves the probe kind, preset and overrides into a [`ProbeSpec`], and
+/// reads the certificate files so that a bad one is a config error.
+fn validate_probe(
+    raw: &RawHealth,
+    name: &dyn Fn(&str, &str) -> String,
+    errors: &mut Vec<FieldError>,
+) -> Option<ProbeSpec> {
+    let kind_field = name("kind", "--health");
+    let kind_text = raw.kind.as_deref().unwrap_or("tcp");
+    let (word, kind_path) = match kind_text.split_once(':') {
+        Some((word, path)) => (word, Some(path.to_string())),
+        None => (kind_text, None),
+    };
+    // (is http, uses tls, preset path, needs a client certificate)
+    let (http, tls, preset_path, needs_client_cert) = match word {
+        "tcp" => (false, false, None, false),
+        "tls" => (false, true, None, false),
+        "http" => (true, false, None, false),
+        "https" => (true, true, None, false),
+        preset => match PRESETS.iter().find(|(name, _, _)| *name == preset) {
+            Some((name, path, _)) => (true, true, Some(*path), *name == "etcd"),
+            None => {
+                errors.push(field_error(
+                    &kind_field,
+                    format!(
+                        "unknown probe {kind_text:?}; expected tcp, tls, http[:PATH], https[:PATH], apiserver, supervisor or etcd"
+                    ),
+                ));
+                return None;
+            }
+        },
+    };
+    if kind_path.is_some() && !http {
+        errors.push(field_error(
+            &kind_field,
+            format!("{word} probes take no path"),
+        ));
+        return None;
+    }
+    let before = errors.len();
+    if !http {
+        for (value, toml, flag) in [
+            (raw.path.is_some(), "path", "--health"),
+            (raw.statuses.is_some(), "statuses", "--health-status"),
+            (raw.host.is_some(), "host", "--health-host"),
+        ] {
+            if value {
+                errors.push(field_error(
+                    name(toml, flag),
+                    format!("only applies to http and https probes, not {word}"),
+                ));
+            }
+        }
+    }
+    if !tls {
+        for (value, toml, flag) in [
+            (raw.ca.is_some(), "ca", "--health-ca"),
+            (raw.cert.is_some(), "cert", "--health-cert"),
+            (raw.key.is_some(), "key", "--health-key"),
+            (
+                raw.server_name.is_some(),
+                "server-name",
+                "--health-server-name",
+            ),
+        ] {
+            if value {
+                errors.push(field_error(
+                    name(toml, flag),
+                    format!("only applies to tls and https probes, not {word}"),
+                ));
+            }
+        }
+    }
+    if needs_client_cert && (raw.cert.is_none() || raw.key.is_none()) {
+        errors.push(field_error(
+            name("cert", "--health-cert"),
+            "the etcd probe needs a client certificate and key (cert and key)",
+        ));
+    }
+    let path = raw
+        .path
+        .clone()
+        .or(kind_path)
+        .or(preset_path.map(str::to_string))
+        .unwrap_or_else(|| "/".into());
+    if http && !path.starts_with('/') {
+        errors.push(field_error(
+            name("path", "--health"),
+            format!("{path:?} must start with /"),
+        ));
+    }
+    let statuses = parse_statuses(
+        raw.statuses.as_ref(),
+        &name("statuses", "--health-status"),
+        errors,
+    );
+    if errors.len() != before {
+        return None;
+    }
+    let tls_options = tls.then(|| TlsOptions {
+        ca: raw.ca.clone(),
+        cert: raw.cert.clone(),
+        key: raw.key.clone(),
+        server_name: raw.server_name.clone(),
+    });
+    let spec = match (http, tls_options) {
+        (false, None) => ProbeSpec::Tcp,
+        (false, Some(options)) => ProbeSpec::Tls(options),
+        (true, tls) => ProbeSpec::Http {
+            path,
+            statuses,
+            host: raw.host.clone(),
+            tls,
+        },
+    };
+    if let Err(error) = Prober::new(&spec) {
+        let flag = format!("--health-{}", error.field);
+        errors.push(field_error(name(error.field, &flag), error.problem));
+        return None;
+    }
+    Some(spec)
+}
+
+fn parse_statuses(
+    raw: Option<&RawStatuses>,
+    field: &str,
+    errors: &mut Vec<FieldError>,
+) -> Vec<u16> {
+    let numbers: Vec<Result<i64, String>> = match raw {
+        None => return vec![200],
+        Some(RawStatuses::List(list)) => list.iter().map(|&number| Ok(number)).collect(),
+        Some(RawStatuses::Text(text)) => text
+            .split(',')
+            .map(|part| {
+                part.trim()
+                    .parse::<i64>()
+                    .map_err(|_| part.trim().to_string())
+            })
+            .collect(),
+    };
+    let mut statuses = Vec::new();
+    for number in numbers {
+        match number {
+            Ok(code @ 100..=599) => statuses.push(code as u16),
+            Ok(code) => errors.push(field_error(
+                field,
+                format!("{code} is not an HTTP status (100..=599)"),
+            )),
+            Err(text) => errors.push(field_error(field, format!("{text:?} is not a status code"))),
+        }
+    }
+    if statuses.is_empty() && errors.iter().all(|error| error.field != field) {
+        errors.push(field_error(field, "at least one status is needed"));
+    }
+    statuses
 }
 
 fn count_in_range(
@@ -620,8 +825,13 @@ impl fmt::Display for Config {
             let health = &service.health;
             writeln!(
                 f,
-                "  health: tcp connect every {:?} (±20%), timeout {:?}, rise {}, fall {}",
-                health.interval, health.timeout, health.rise, health.fall
+                "  health: {} every {:?} (±20%; {:?} while down), timeout {:?}, rise {}, fall {}",
+                health.probe.describe(),
+                health.interval,
+                health.down_interval,
+                health.timeout,
+                health.rise,
+                health.fall
             )?;
             for backend in &service.backends {
                 writeln!(f, "  backend {} weight {}", backend.addr, backend.weight)?;
@@ -671,7 +881,9 @@ mod tests {
         assert_eq!(
             service.health,
             HealthSettings {
+                probe: ProbeSpec::Tcp,
                 interval: Duration::from_millis(500),
+                down_interval: Duration::from_millis(500),
                 timeout: Duration::from_secs(2),
                 rise: 1,
                 fall: 5
@@ -830,6 +1042,66 @@ mod tests {
             "service[0].name",
             "may only hold",
         ),
+        (
+            "unknown probe",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\nhealth={kind=\"icmp\"}",
+            "service[0].health.kind",
+            "unknown probe",
+        ),
+        (
+            "path on tcp",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\nhealth={kind=\"tcp:/x\"}",
+            "service[0].health.kind",
+            "take no path",
+        ),
+        (
+            "statuses on tls",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\nhealth={kind=\"tls\",statuses=[200]}",
+            "service[0].health.statuses",
+            "only applies to http",
+        ),
+        (
+            "ca on http",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\nhealth={kind=\"http\",ca=\"/x\"}",
+            "service[0].health.ca",
+            "only applies to tls",
+        ),
+        (
+            "etcd without cert",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\nhealth={kind=\"etcd\"}",
+            "service[0].health.cert",
+            "client certificate",
+        ),
+        (
+            "bad status",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\nhealth={kind=\"https\",statuses=[700]}",
+            "service[0].health.statuses",
+            "not an HTTP status",
+        ),
+        (
+            "bad status text",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\nhealth={kind=\"https\",statuses=\"200,ok\"}",
+            "service[0].health.statuses",
+            "not a status code",
+        ),
+        (
+            "relative path",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\nhealth={kind=\"http\",path=\"readyz\"}",
+            "service[0].health.path",
+            "must start with /",
+        ),
+        (
+            "missing ca file",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\nhealth={kind=\"apiserver\",ca=\"/nonexistent/ca.pem\"}",
+            "service[0].health.ca",
+            "/nonexistent/ca.pem",
+        ),
+        (
+            "bad down interval",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\nhealth={down-interval=\"x\"}",
+            "service[0].health.down-interval",
+            "not a duration",
+        ),
     ];
 
     #[test]
@@ -935,6 +1207,74 @@ mod tests {
             errors.iter().any(|e| e.problem.contains("per family")),
             "{errors:?}"
         );
+    }
+
+    #[test]
+    fn probe_presets_and_overrides() {
+        let probe = |health: &str| {
+            let text = service_toml(&format!(
+                "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\nhealth={{{health}}}"
+            ));
+            parse_toml(&text).unwrap().services[0].health.probe.clone()
+        };
+        let https = |path: &str, statuses: &[u16]| ProbeSpec::Http {
+            path: path.into(),
+            statuses: statuses.to_vec(),
+            host: None,
+            tls: Some(TlsOptions::default()),
+        };
+        assert_eq!(probe(""), ProbeSpec::Tcp);
+        assert_eq!(probe("kind=\"tls\""), ProbeSpec::Tls(TlsOptions::default()));
+        assert_eq!(probe("kind=\"apiserver\""), https("/readyz", &[200]));
+        assert_eq!(probe("kind=\"supervisor\""), https("/ping", &[200]));
+        assert_eq!(
+            probe("kind=\"apiserver\",statuses=[200,401,403]"),
+            https("/readyz", &[200, 401, 403]),
+            "a preset is overridden field by field"
+        );
+        assert_eq!(
+            probe("kind=\"https:/livez\",statuses=\"200, 401\""),
+            https("/livez", &[200, 401])
+        );
+        assert_eq!(
+            probe("kind=\"http\",host=\"api.local\""),
+            ProbeSpec::Http {
+                path: "/".into(),
+                statuses: vec![200],
+                host: Some("api.local".into()),
+                tls: None
+            }
+        );
+        let config = parse_toml(&service_toml(
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\nhealth={interval=\"2s\"}",
+        ))
+        .unwrap();
+        assert_eq!(
+            config.services[0].health.down_interval,
+            Duration::from_secs(2),
+            "the down interval follows the interval"
+        );
+    }
+
+    #[test]
+    fn probe_flags_are_named_as_flags() {
+        let raw = RawService {
+            vips: vec!["127.0.0.1:1".into()],
+            backends: vec![RawBackend::Spec("127.0.0.2:1".into())],
+            health: RawHealth {
+                kind: Some("tcp".into()),
+                statuses: Some(RawStatuses::Text("200".into())),
+                ca: Some("/x".into()),
+                ..RawHealth::default()
+            },
+            ..RawService::default()
+        };
+        let Err(ConfigError::Invalid(errors)) = from_flags(raw) else {
+            panic!("expected errors");
+        };
+        let fields: Vec<&str> = errors.iter().map(|e| e.field.as_str()).collect();
+        assert!(fields.contains(&"--health-status"), "{fields:?}");
+        assert!(fields.contains(&"--health-ca"), "{fields:?}");
     }
 
     #[test]

@@ -5,7 +5,16 @@
 //! the trackers, logs each transition once, asks the planner for the new
 //! tables and writes the ones that changed.
 
-use std::{collections::HashMap, path::PathBuf, time::Duration};
+use std::{
+    collections::HashMap,
+    net::SocketAddr,
+    path::PathBuf,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
 
 use lb_common::{BackendInfo, Settings};
 use tokio::{
@@ -18,9 +27,10 @@ use tracing::{info, warn};
 use crate::{
     cgroup::{self, CgroupError},
     config::Config,
-    health::{HealthTracker, ProbeKind, ProbeReport, probe_loop},
+    health::{HealthTracker, ProbeReport, probe_loop},
     kernel::{self, BackendHealth, BpfLogLevel, Dataplane, KernelError, PinPaths},
     planner::{Layout, TableContents, endpoint, plan},
+    probe::{ProbeSetupError, Prober},
 };
 
 /// How often the daemon checks that the maps still hold what it wrote.
@@ -32,6 +42,8 @@ pub enum DaemonError {
     Cgroup(#[from] CgroupError),
     #[error(transparent)]
     Kernel(#[from] KernelError),
+    #[error("health probe: {0}")]
+    Probe(ProbeSetupError),
     #[error("{what}: {source}")]
     Io {
         what: &'static str,
@@ -48,6 +60,15 @@ pub struct RunOptions {
     pub pin_path: PathBuf,
     pub cleanup_on_exit: bool,
     pub bpf_log: BpfLogLevel,
+}
+
+/// What the owner keeps per probed backend.
+struct ProbedBackend {
+    addr: SocketAddr,
+    /// How a passing probe is described in a transition message.
+    success_words: String,
+    /// Set by the owner while the backend is down; read by its probe loop.
+    down: Arc<AtomicBool>,
 }
 
 /// The single owner of health state and of what was written.
@@ -213,21 +234,31 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
     };
 
     let (reports_tx, mut reports) = mpsc::channel::<ProbeReport>(1024);
-    for (table, backend) in state.layout.backends() {
-        tokio::spawn(probe_loop(
-            backend.id,
-            backend.addr,
-            ProbeKind::TcpConnect,
-            table.health,
-            reports_tx.clone(),
-        ));
+    let mut probed: HashMap<u32, ProbedBackend> = HashMap::new();
+    for table in &state.layout.tables {
+        let prober = Prober::new(&table.health.probe).map_err(DaemonError::Probe)?;
+        for backend in &table.backends {
+            let down = Arc::new(AtomicBool::new(!state.is_healthy(backend.id)));
+            tokio::spawn(probe_loop(
+                backend.id,
+                backend.addr,
+                prober.clone(),
+                table.health.clone(),
+                Arc::clone(&down),
+                reports_tx.clone(),
+            ));
+            let success_words = prober.success_words();
+            probed.insert(
+                backend.id,
+                ProbedBackend {
+                    addr: backend.addr,
+                    success_words,
+                    down,
+                },
+            );
+        }
     }
     drop(reports_tx);
-    let addrs: HashMap<u32, _> = state
-        .layout
-        .backends()
-        .map(|(_, backend)| (backend.id, backend.addr))
-        .collect();
 
     let signal_error = |source| DaemonError::Io {
         what: "installing signal handlers",
@@ -243,12 +274,14 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
             Some(report) = reports.recv() => {
                 let Some(tracker) = state.trackers.get_mut(&report.backend_id) else { continue };
                 let was_settled = tracker.is_settled();
-                let transition = tracker.record(&report.outcome, ProbeKind::TcpConnect.describe());
+                let backend = &probed[&report.backend_id];
+                let transition = tracker.record(&report.outcome, &backend.success_words);
                 // A first answer that confirms the assumed state changes no
                 // table, but status must stop calling the backend unknown.
                 let newly_settled = !was_settled && tracker.is_settled();
+                backend.down.store(!tracker.is_healthy(), Ordering::Relaxed);
                 if let Some(transition) = &transition {
-                    let message = transition.message(addrs[&report.backend_id]);
+                    let message = transition.message(backend.addr);
                     if transition.healthy { info!("{message}") } else { warn!("{message}") }
                 } else if !newly_settled {
                     continue;

@@ -3,74 +3,26 @@
 //! A probe answers one question about one backend, once. [`HealthTracker`]
 //! turns a stream of answers into "healthy" or "unhealthy", changing only
 //! after `rise` successes or `fall` failures in a row, and reports each
-//! change exactly once. Probe kinds plug in as variants of [`ProbeKind`].
+//! change exactly once. Probe kinds live in [`crate::probe`].
 
-use std::{fmt, io, net::SocketAddr, time::Duration};
+use std::{
+    net::SocketAddr,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
 
 use rand::Rng;
-use tokio::{net::TcpStream, sync::mpsc, time};
+use tokio::{sync::mpsc, time};
 
-use crate::config::HealthSettings;
+pub use crate::probe::ProbeFailure;
+use crate::{config::HealthSettings, probe::Prober};
 
 /// Share of the interval by which each wait is randomly moved, so that the
 /// probes of many nodes do not beat in step against one server.
 pub const JITTER: f64 = 0.2;
-
-/// How a backend is checked.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ProbeKind {
-    /// A TCP connect that completes within the timeout.
-    TcpConnect,
-}
-
-/// Why a probe failed, in words an operator reads in the log.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ProbeFailure {
-    Refused,
-    TimedOut(Duration),
-    Unreachable,
-    Other(String),
-}
-
-impl fmt::Display for ProbeFailure {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Refused => write!(f, "connect refused"),
-            Self::TimedOut(after) => write!(f, "no answer within {after:?}"),
-            Self::Unreachable => write!(f, "unreachable"),
-            Self::Other(message) => write!(f, "{message}"),
-        }
-    }
-}
-
-impl ProbeKind {
-    /// Runs one probe, bounded by `timeout`.
-    pub async fn probe(self, addr: SocketAddr, timeout: Duration) -> Result<(), ProbeFailure> {
-        match self {
-            Self::TcpConnect => probe_tcp_connect(addr, timeout).await,
-        }
-    }
-
-    pub fn describe(self) -> &'static str {
-        match self {
-            Self::TcpConnect => "connect ok",
-        }
-    }
-}
-
-async fn probe_tcp_connect(addr: SocketAddr, timeout: Duration) -> Result<(), ProbeFailure> {
-    match time::timeout(timeout, TcpStream::connect(addr)).await {
-        Err(_) => Err(ProbeFailure::TimedOut(timeout)),
-        Ok(Ok(_stream)) => Ok(()),
-        Ok(Err(error)) => Err(match error.kind() {
-            io::ErrorKind::ConnectionRefused => ProbeFailure::Refused,
-            io::ErrorKind::NetworkUnreachable | io::ErrorKind::HostUnreachable => {
-                ProbeFailure::Unreachable
-            }
-            _ => ProbeFailure::Other(error.to_string()),
-        }),
-    }
-}
 
 /// A change of a backend's state, with the reason.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -198,13 +150,16 @@ pub struct ProbeReport {
     pub outcome: Result<(), ProbeFailure>,
 }
 
-/// Probes one backend forever (until the receiver is gone), reporting each
-/// outcome. The first probe runs after a short random delay.
+/// Probes one backend until the receiver is gone, reporting each outcome.
+/// The first probe runs after a short random delay. While the owner marks
+/// the backend down (`down`), probes run every `down_interval` instead
+/// (HAProxy's `downinter`).
 pub async fn probe_loop(
     backend_id: u32,
     addr: SocketAddr,
-    kind: ProbeKind,
+    prober: Prober,
     settings: HealthSettings,
+    down: Arc<AtomicBool>,
     reports: mpsc::Sender<ProbeReport>,
 ) {
     let first_delay = settings
@@ -212,7 +167,7 @@ pub async fn probe_loop(
         .mul_f64(rand::rng().random_range(0.0..JITTER));
     time::sleep(first_delay).await;
     loop {
-        let outcome = kind.probe(addr, settings.timeout).await;
+        let outcome = prober.probe(addr, settings.timeout).await;
         if reports
             .send(ProbeReport {
                 backend_id,
@@ -223,7 +178,12 @@ pub async fn probe_loop(
         {
             return;
         }
-        let wait = jittered(settings.interval, &mut rand::rng());
+        let base = if down.load(Ordering::Relaxed) {
+            settings.down_interval
+        } else {
+            settings.interval
+        };
+        let wait = jittered(base, &mut rand::rng());
         time::sleep(wait).await;
     }
 }
@@ -304,24 +264,5 @@ mod tests {
                 "{wait:?}"
             );
         }
-    }
-
-    #[tokio::test]
-    async fn tcp_probe_outcomes() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let open = listener.local_addr().unwrap();
-        assert_eq!(
-            ProbeKind::TcpConnect
-                .probe(open, Duration::from_secs(1))
-                .await,
-            Ok(())
-        );
-        drop(listener);
-        assert_eq!(
-            ProbeKind::TcpConnect
-                .probe(open, Duration::from_secs(1))
-                .await,
-            Err(ProbeFailure::Refused)
-        );
     }
 }

@@ -9,4 +9,5 @@ pub mod daemon;
 pub mod health;
 pub mod kernel;
 pub mod planner;
+pub mod probe;
 pub mod status;

@@ -83,7 +83,7 @@ impl Layout {
                     service: service.name.clone(),
                     family,
                     flags,
-                    health: service.health,
+                    health: service.health.clone(),
                     vips,
                     backends,
                 });

@@ -2,7 +2,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use socklb::{
-    config::{self, RawBackend, RawHealth, RawService},
+    config::{self, RawBackend, RawHealth, RawService, RawStatuses},
     daemon::{self, RunOptions},
     kernel::BpfLogLevel,
 };
@@ -13,7 +13,11 @@ use socklb::{
 #[derive(Debug, clap::Args)]
 pub struct RunArgs {
     /// TOML file with one or more services (conflicts with the service flags).
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["vip", "backend", "name", "policy", "all_netns"])]
+    #[arg(long, value_name = "FILE", conflicts_with_all = [
+        "vip", "backend", "name", "policy", "all_netns", "health", "health_status", "health_host",
+        "health_ca", "health_cert", "health_key", "health_server_name", "health_interval",
+        "health_down_interval", "health_timeout", "rise", "fall",
+    ])]
     config: Option<PathBuf>,
     /// VIP that clients connect to (repeatable; IPv4 and IPv6 may share a service).
     #[arg(long, value_name = "ADDR:PORT")]
@@ -30,9 +34,36 @@ pub struct RunArgs {
     /// Redirect sockets in every network namespace, not only the daemon's own.
     #[arg(long)]
     all_netns: bool,
+    /// Health probe: tcp, tls, http[:PATH], https[:PATH], or a preset
+    /// (apiserver = https /readyz, supervisor = https /ping, etcd = https
+    /// /health with a client certificate) [default: tcp].
+    #[arg(long, value_name = "KIND")]
+    health: Option<String>,
+    /// HTTP statuses that count as healthy [default: 200].
+    #[arg(long, value_name = "CODES")]
+    health_status: Option<String>,
+    /// Host header of http/https probes [default: the backend address].
+    #[arg(long, value_name = "HOST")]
+    health_host: Option<String>,
+    /// CA bundle (PEM) that the server certificate must chain to; without
+    /// it tls/https probes do not verify the certificate.
+    #[arg(long, value_name = "FILE")]
+    health_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for tls/https probes.
+    #[arg(long, value_name = "FILE")]
+    health_cert: Option<PathBuf>,
+    /// Client key (PEM) for tls/https probes.
+    #[arg(long, value_name = "FILE")]
+    health_key: Option<PathBuf>,
+    /// Name to verify the server certificate against [default: the backend IP].
+    #[arg(long, value_name = "NAME")]
+    health_server_name: Option<String>,
     /// Time between health probes of a backend (±20% jitter).
     #[arg(long, value_name = "DURATION")]
     health_interval: Option<String>,
+    /// Time between probes of a backend that is down [default: the interval].
+    #[arg(long, value_name = "DURATION")]
+    health_down_interval: Option<String>,
     /// Time a probe may take.
     #[arg(long, value_name = "DURATION")]
     health_timeout: Option<String>,
@@ -66,7 +97,16 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             policy: args.policy.clone(),
             all_netns: args.all_netns,
             health: RawHealth {
+                kind: args.health.clone(),
+                path: None,
+                statuses: args.health_status.clone().map(RawStatuses::Text),
+                host: args.health_host.clone(),
+                ca: args.health_ca.clone(),
+                cert: args.health_cert.clone(),
+                key: args.health_key.clone(),
+                server_name: args.health_server_name.clone(),
                 interval: args.health_interval.clone(),
+                down_interval: args.health_down_interval.clone(),
                 timeout: args.health_timeout.clone(),
                 rise: args.rise,
                 fall: args.fall,

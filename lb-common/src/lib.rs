@@ -46,6 +46,16 @@ pub const SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY: u32 = 1 << 0;
 /// `ServiceEntry::flags`: redirect sockets of every network namespace, not
 /// only those of the namespace the daemon runs in.
 pub const SERVICE_FLAG_ALL_NETNS: u32 = 1 << 1;
+/// `ServiceEntry::flags`: the table was planned with the prefer-local
+/// policy. Informational; the kernel's choice is the same.
+pub const SERVICE_FLAG_PREFER_LOCAL: u32 = 1 << 2;
+
+/// `BackendInfo::role`: an ordinary backend.
+pub const ROLE_NORMAL: u8 = 0;
+/// `BackendInfo::role`: on this host or marked preferred (prefer-local).
+pub const ROLE_PREFERRED: u8 = 1;
+/// `BackendInfo::role`: used only when no other backend is healthy.
+pub const ROLE_STANDBY: u8 = 2;
 
 /// An IP address and port, the key of `SERVICES` (a VIP) and the target of a
 /// `BackendSlot`.
@@ -171,11 +181,14 @@ pub struct BackendInfo {
     /// 1 once a probe has answered (or a previous daemon's verdict was
     /// adopted); 0 while `healthy` is only the assumption of a fresh start.
     pub probed: u8,
-    pub _pad: [u8; 2],
+    /// `ROLE_*`: the backend's priority tier.
+    pub role: u8,
+    pub _pad: u8,
 }
 const _: () = assert!(size_of::<BackendInfo>() == 32);
 const _: () = assert!(offset_of!(BackendInfo, healthy) == 28);
 const _: () = assert!(offset_of!(BackendInfo, probed) == 29);
+const _: () = assert!(offset_of!(BackendInfo, role) == 30);
 
 /// Value of `TABLES`, keyed by table id: the service a table serves.
 #[repr(C)]

@@ -85,6 +85,45 @@ impl NoneHealthyPolicy {
     }
 }
 
+/// How a backend is chosen among the healthy ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SelectionPolicy {
+    /// Weighted random over all healthy backends.
+    #[default]
+    Random,
+    /// Weighted random over the healthy backends on this host or marked
+    /// `preferred`; the others only while none of those is healthy.
+    PreferLocal,
+}
+
+impl SelectionPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Random => "random",
+            Self::PreferLocal => "prefer-local",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "random" => Some(Self::Random),
+            "prefer-local" => Some(Self::PreferLocal),
+            _ => None,
+        }
+    }
+}
+
+/// A backend's place in the priority tiers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BackendRole {
+    #[default]
+    Normal,
+    /// Preferred by `prefer-local`, like a backend on this host.
+    Preferred,
+    /// Used only when no other backend is healthy (k3s's default server).
+    Standby,
+}
+
 /// Active health-check settings of one service.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HealthSettings {
@@ -129,6 +168,7 @@ pub const PRESETS: [(&str, &str, &str); 3] = [
 pub struct Backend {
     pub addr: SocketAddr,
     pub weight: u32,
+    pub role: BackendRole,
 }
 
 /// One validated service.
@@ -137,7 +177,8 @@ pub struct Service {
     pub name: String,
     pub vips: Vec<SocketAddr>,
     pub backends: Vec<Backend>,
-    pub policy: NoneHealthyPolicy,
+    pub policy: SelectionPolicy,
+    pub when_none_healthy: NoneHealthyPolicy,
     /// Redirect sockets of every network namespace, not only the daemon's.
     pub all_netns: bool,
     pub health: HealthSettings,
@@ -167,14 +208,18 @@ pub struct RawService {
     pub vips: Vec<String>,
     #[serde(default)]
     pub backends: Vec<RawBackend>,
+    /// `random` or `prefer-local`.
     pub policy: Option<String>,
+    /// `fail-open` or `reject`.
+    pub when_none_healthy: Option<String>,
     #[serde(default)]
     pub all_netns: bool,
     #[serde(default)]
     pub health: RawHealth,
 }
 
-/// A backend: `"ADDR:PORT[,weight=N]"` or `{ addr = "…", weight = N }`.
+/// A backend: `"ADDR:PORT[,weight=N][,preferred][,standby]"` or
+/// `{ addr = "…", weight = N, preferred = true, standby = true }`.
 #[derive(Debug, Deserialize)]
 #[serde(untagged)]
 pub enum RawBackend {
@@ -187,6 +232,10 @@ pub enum RawBackend {
 pub struct RawBackendTable {
     pub addr: String,
     pub weight: Option<i64>,
+    #[serde(default)]
+    pub preferred: bool,
+    #[serde(default)]
+    pub standby: bool,
 }
 
 /// Health settings as written; durations are strings such as `"500ms"`.
@@ -335,27 +384,60 @@ fn validate_service(
         }
     }
 
-    let policy_field = if prefix.is_empty() {
-        "--policy".into()
-    } else {
-        format!("{prefix}policy")
+    let field_name = |toml: &str, flag: &str| {
+        if prefix.is_empty() {
+            flag.to_string()
+        } else {
+            format!("{prefix}{toml}")
+        }
     };
     let policy = match raw.policy.as_deref() {
+        None => SelectionPolicy::default(),
+        Some(text) => SelectionPolicy::parse(text).unwrap_or_else(|| {
+            errors.push(field_error(
+                field_name("policy", "--policy"),
+                format!("unknown policy {text:?}; expected \"random\" or \"prefer-local\""),
+            ));
+            SelectionPolicy::default()
+        }),
+    };
+    let when_none_healthy = match raw.when_none_healthy.as_deref() {
         None => NoneHealthyPolicy::default(),
         Some(text) => NoneHealthyPolicy::parse(text).unwrap_or_else(|| {
             errors.push(field_error(
-                &policy_field,
+                field_name("when-none-healthy", "--when-none-healthy"),
                 format!("unknown policy {text:?}; expected \"fail-open\" or \"reject\""),
             ));
             NoneHealthyPolicy::default()
         }),
     };
+    if policy != SelectionPolicy::PreferLocal
+        && let Some(index) = backends
+            .iter()
+            .position(|backend| backend.role == BackendRole::Preferred)
+    {
+        errors.push(field_error(
+            format!("{backend_field}[{index}]"),
+            "preferred only applies with policy prefer-local",
+        ));
+    }
+    if !backends.is_empty()
+        && backends
+            .iter()
+            .all(|backend| backend.role == BackendRole::Standby)
+    {
+        errors.push(field_error(
+            &backend_field,
+            "every backend is a standby; at least one must not be",
+        ));
+    }
     let health = validate_health(&raw.health, prefix, errors);
     (errors.len() == before).then_some(Service {
         name,
         vips,
         backends,
         policy,
+        when_none_healthy,
         all_netns: raw.all_netns,
         health,
     })
@@ -420,12 +502,17 @@ fn parse_endpoint(text: &str, field: &str, errors: &mut Vec<FieldError>) -> Opti
 
 /// Parses the flag form `ADDR:PORT[,weight=N]` or the TOML table form.
 fn parse_backend(raw: &RawBackend, field: &str, errors: &mut Vec<FieldError>) -> Option<Backend> {
-    let (addr_text, weight) = match raw {
-        RawBackend::Table(table) => (table.addr.as_str(), table.weight),
+    let (addr_text, weight, preferred, standby) = match raw {
+        RawBackend::Table(table) => (
+            table.addr.as_str(),
+            table.weight,
+            table.preferred,
+            table.standby,
+        ),
         RawBackend::Spec(spec) => {
             let mut parts = spec.split(',');
             let addr_text = parts.next().unwrap_or_default();
-            let mut weight = None;
+            let (mut weight, mut preferred, mut standby) = (None, false, false);
             for option in parts {
                 match option.trim().split_once('=') {
                     Some(("weight", value)) => match value.trim().parse::<i64>() {
@@ -438,16 +525,20 @@ fn parse_backend(raw: &RawBackend, field: &str, errors: &mut Vec<FieldError>) ->
                             return None;
                         }
                     },
+                    None if option.trim() == "preferred" => preferred = true,
+                    None if option.trim() == "standby" => standby = true,
                     _ => {
                         errors.push(field_error(
                             field,
-                            format!("unknown option {option:?}; expected weight=N"),
+                            format!(
+                                "unknown option {option:?}; expected weight=N, preferred or standby"
+                            ),
                         ));
                         return None;
                     }
                 }
             }
-            (addr_text, weight)
+            (addr_text, weight, preferred, standby)
         }
     };
     let addr = parse_endpoint(addr_text, field, errors)?;
@@ -459,9 +550,22 @@ fn parse_backend(raw: &RawBackend, field: &str, errors: &mut Vec<FieldError>) ->
         ));
         return None;
     }
+    let role = match (preferred, standby) {
+        (true, true) => {
+            errors.push(field_error(
+                field,
+                "a backend cannot be both preferred and standby",
+            ));
+            return None;
+        }
+        (true, false) => BackendRole::Preferred,
+        (false, true) => BackendRole::Standby,
+        (false, false) => BackendRole::Normal,
+    };
     Some(Backend {
         addr,
         weight: weight as u32,
+        role,
     })
 }
 
@@ -814,8 +918,9 @@ impl fmt::Display for Config {
             writeln!(f, "  vips: {}", vips.join(", "))?;
             writeln!(
                 f,
-                "  policy: {}{}",
+                "  policy: {}, when none is healthy: {}{}",
                 service.policy.as_str(),
+                service.when_none_healthy.as_str(),
                 if service.all_netns {
                     ", all network namespaces"
                 } else {
@@ -834,7 +939,16 @@ impl fmt::Display for Config {
                 health.fall
             )?;
             for backend in &service.backends {
-                writeln!(f, "  backend {} weight {}", backend.addr, backend.weight)?;
+                let role = match backend.role {
+                    BackendRole::Normal => "",
+                    BackendRole::Preferred => " preferred",
+                    BackendRole::Standby => " standby",
+                };
+                writeln!(
+                    f,
+                    "  backend {} weight {}{role}",
+                    backend.addr, backend.weight
+                )?;
             }
         }
         Ok(())
@@ -849,7 +963,7 @@ mod tests {
         [[service]]
         name = "apiserver"
         vips = ["127.0.0.1:6444", "[::1]:6444"]
-        policy = "reject"
+        when-none-healthy = "reject"
         backends = ["10.0.0.1:6443,weight=2", { addr = "[fd00::1]:6443", weight = 3 }]
         [service.health]
         interval = "500ms"
@@ -864,17 +978,20 @@ mod tests {
         let service = &config.services[0];
         assert_eq!(service.name, "apiserver");
         assert_eq!(service.vips.len(), 2);
-        assert_eq!(service.policy, NoneHealthyPolicy::Reject);
+        assert_eq!(service.when_none_healthy, NoneHealthyPolicy::Reject);
+        assert_eq!(service.policy, SelectionPolicy::Random);
         assert_eq!(
             service.backends,
             vec![
                 Backend {
                     addr: "10.0.0.1:6443".parse().unwrap(),
-                    weight: 2
+                    weight: 2,
+                    role: BackendRole::Normal,
                 },
                 Backend {
                     addr: "[fd00::1]:6443".parse().unwrap(),
-                    weight: 3
+                    weight: 3,
+                    role: BackendRole::Normal,
                 },
             ]
         );
@@ -897,7 +1014,8 @@ mod tests {
             parse_toml("[[service]]\nvips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:2\"]").unwrap();
         let service = &config.services[0];
         assert_eq!(service.name, "service0");
-        assert_eq!(service.policy, NoneHealthyPolicy::FailOpen);
+        assert_eq!(service.when_none_healthy, NoneHealthyPolicy::FailOpen);
+        assert_eq!(service.policy, SelectionPolicy::Random);
         assert!(!service.all_netns);
         assert_eq!(service.health, HealthSettings::default());
         assert_eq!(service.backends[0].weight, 1);
@@ -1041,6 +1159,30 @@ mod tests {
             "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\nname=\"a b\"",
             "service[0].name",
             "may only hold",
+        ),
+        (
+            "bad none-healthy policy",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\nwhen-none-healthy=\"open\"",
+            "service[0].when-none-healthy",
+            "unknown policy",
+        ),
+        (
+            "preferred without prefer-local",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1,preferred\",\"127.0.0.3:1\"]",
+            "service[0].backends[0]",
+            "prefer-local",
+        ),
+        (
+            "preferred and standby",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[{addr=\"127.0.0.2:1\",preferred=true,standby=true},\"127.0.0.3:1\"]\npolicy=\"prefer-local\"",
+            "service[0].backends[0]",
+            "both",
+        ),
+        (
+            "only standbys",
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1,standby\"]",
+            "service[0].backends",
+            "every backend is a standby",
         ),
         (
             "unknown probe",

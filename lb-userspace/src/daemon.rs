@@ -172,6 +172,12 @@ impl State {
     }
 }
 
+/// Whether an address belongs to this host: only a local address can be
+/// bound. (All of 127.0.0.0/8 counts, as the kernel routes it locally.)
+fn is_local_address(ip: std::net::IpAddr) -> bool {
+    std::net::UdpSocket::bind((ip, 0)).is_ok()
+}
+
 /// Runs the daemon until SIGTERM or SIGINT.
 pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
     let cgroup_dir = match &options.cgroup {
@@ -190,7 +196,7 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
     })?;
 
     let mut state = State {
-        layout: Layout::from_config(&options.config),
+        layout: Layout::from_config(&options.config, is_local_address),
         trackers: HashMap::new(),
         written: Vec::new(),
     };

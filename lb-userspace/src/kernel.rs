@@ -21,11 +21,11 @@ use aya::{
     util::nr_cpus,
 };
 use lb_common::{
-    BackendInfo, BackendSlot, BackendStats, Endpoint, NAME_LEN, SLOTS_PER_LIST, ServiceEntry,
-    Settings, TableInfo, TableStats, bank_base,
+    BackendInfo, BackendSlot, BackendStats, Endpoint, NAME_LEN, ROLE_NORMAL, ROLE_PREFERRED,
+    ROLE_STANDBY, SLOTS_PER_LIST, ServiceEntry, Settings, TableInfo, TableStats, bank_base,
 };
 
-use crate::planner::{Layout, TableContents, TableLayout, endpoint};
+use crate::planner::{Layout, TableContents, TableLayout, Tier, endpoint};
 
 /// The eBPF object, built by `cargo xtask build-ebpf` and embedded by build.rs.
 static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/socklb.bpf.o"));
@@ -332,7 +332,12 @@ impl Dataplane {
                 weight: backend.weight,
                 healthy: u8::from(state.healthy),
                 probed: u8::from(state.probed),
-                _pad: [0; 2],
+                role: match backend.tier {
+                    Tier::Preferred => ROLE_PREFERRED,
+                    Tier::Normal => ROLE_NORMAL,
+                    Tier::Standby => ROLE_STANDBY,
+                },
+                _pad: 0,
             };
             let old = self.backends.get(&backend.id, 0).ok();
             if old.is_none_or(|old| old.target != info.target || old.table_id != info.table_id) {

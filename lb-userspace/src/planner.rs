@@ -9,11 +9,22 @@
 use std::net::{IpAddr, SocketAddr};
 
 use lb_common::{
-    Endpoint, FAMILY_V4, FAMILY_V6, SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY,
-    SLOTS_PER_LIST,
+    Endpoint, FAMILY_V4, FAMILY_V6, SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_PREFER_LOCAL,
+    SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY, SLOTS_PER_LIST,
 };
 
-use crate::config::{Config, HealthSettings, NoneHealthyPolicy};
+use crate::config::{BackendRole, Config, HealthSettings, NoneHealthyPolicy, SelectionPolicy};
+
+/// Priority tier of a backend: the healthy backends of the best tier that
+/// has any make up the table. Lower is better.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Tier {
+    /// prefer-local: on this host, or marked preferred.
+    Preferred,
+    Normal,
+    /// Only while no other backend is healthy.
+    Standby,
+}
 
 /// A backend with its fixed id.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -21,6 +32,7 @@ pub struct BackendLayout {
     pub id: u32,
     pub addr: SocketAddr,
     pub weight: u32,
+    pub tier: Tier,
 }
 
 /// One selection table: a service's VIPs and backends of one family.
@@ -44,13 +56,19 @@ pub struct Layout {
 }
 
 impl Layout {
-    pub fn from_config(config: &Config) -> Self {
+    /// `is_local(ip)` says whether an address belongs to this host; it only
+    /// matters for services with the prefer-local policy.
+    pub fn from_config(config: &Config, is_local: impl Fn(IpAddr) -> bool) -> Self {
         let mut tables = Vec::new();
         let mut next_backend_id = 0;
         for service in &config.services {
             let mut flags = 0;
-            if service.policy == NoneHealthyPolicy::Reject {
+            if service.when_none_healthy == NoneHealthyPolicy::Reject {
                 flags |= SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY;
+            }
+            let prefer_local = service.policy == SelectionPolicy::PreferLocal;
+            if prefer_local {
+                flags |= SERVICE_FLAG_PREFER_LOCAL;
             }
             if service.all_netns {
                 flags |= SERVICE_FLAG_ALL_NETNS;
@@ -71,10 +89,19 @@ impl Layout {
                     .filter(|backend| family_of(&backend.addr) == family)
                     .map(|backend| {
                         next_backend_id += 1;
+                        let tier = match backend.role {
+                            BackendRole::Standby => Tier::Standby,
+                            BackendRole::Preferred => Tier::Preferred,
+                            BackendRole::Normal if prefer_local && is_local(backend.addr.ip()) => {
+                                Tier::Preferred
+                            }
+                            BackendRole::Normal => Tier::Normal,
+                        };
                         BackendLayout {
                             id: next_backend_id - 1,
                             addr: backend.addr,
                             weight: backend.weight,
+                            tier,
                         }
                     })
                     .collect();
@@ -111,24 +138,36 @@ pub struct TableContents {
 }
 
 /// The planner. `is_healthy(backend_id)` is the health view.
+///
+/// The healthy list holds the healthy backends of the best tier that has
+/// any (preferred, then normal, then standby). The all list, for fail-open,
+/// holds every backend.
 pub fn plan(layout: &Layout, is_healthy: impl Fn(u32) -> bool) -> Vec<TableContents> {
     layout
         .tables
         .iter()
         .map(|table| {
-            let weighted = |healthy_only: bool| {
+            let best_tier = table
+                .backends
+                .iter()
+                .filter(|backend| is_healthy(backend.id))
+                .map(|backend| backend.tier)
+                .min();
+            let weighted = |keep: &dyn Fn(&BackendLayout) -> bool| {
                 let members: Vec<(u32, u32)> = table
                     .backends
                     .iter()
-                    .filter(|backend| !healthy_only || is_healthy(backend.id))
+                    .filter(|backend| keep(backend))
                     .map(|backend| (backend.id, backend.weight))
                     .collect();
                 expand_weights(&members, SLOTS_PER_LIST as usize)
             };
             TableContents {
                 table_id: table.table_id,
-                healthy: weighted(true),
-                all: weighted(false),
+                healthy: weighted(&|backend| {
+                    is_healthy(backend.id) && Some(backend.tier) == best_tier
+                }),
+                all: weighted(&|_| true),
             }
         })
         .collect()
@@ -222,14 +261,14 @@ mod tests {
     use crate::config::parse_toml;
 
     fn layout(text: &str) -> Layout {
-        Layout::from_config(&parse_toml(text).unwrap())
+        Layout::from_config(&parse_toml(text).unwrap(), |_| false)
     }
 
     const TWO_FAMILIES: &str = r#"
         [[service]]
         name = "api"
         vips = ["127.0.0.1:6444", "[::1]:6444"]
-        policy = "reject"
+        when-none-healthy = "reject"
         backends = ["127.0.0.2:1,weight=2", "[::1]:2", "127.0.0.3:1"]
         [[service]]
         name = "etcd"
@@ -300,6 +339,61 @@ mod tests {
             assert_eq!(tables[0].healthy, *want_healthy, "{what}");
             assert_eq!(tables[0].all, *want_all, "{what}");
         }
+    }
+
+    /// (what, healthy backend ids, healthy list)
+    type TierCase<'a> = (&'a str, &'a [u32], &'a [u32]);
+
+    #[test]
+    fn tiers_prefer_local_then_normal_then_standby() {
+        let text = r#"
+            [[service]]
+            name = "api"
+            policy = "prefer-local"
+            vips = ["127.0.0.1:6444"]
+            backends = ["10.0.0.1:1", "10.0.0.2:1,preferred", "10.0.0.3:1,standby", "192.168.1.5:1"]
+        "#;
+        let local: IpAddr = "192.168.1.5".parse().unwrap();
+        let layout = Layout::from_config(&parse_toml(text).unwrap(), |ip| ip == local);
+        let tiers: Vec<Tier> = layout.tables[0].backends.iter().map(|b| b.tier).collect();
+        assert_eq!(
+            tiers,
+            [
+                Tier::Normal,
+                Tier::Preferred,
+                Tier::Standby,
+                Tier::Preferred
+            ]
+        );
+        let cases: &[TierCase] = &[
+            (
+                "preferred and local share the top tier",
+                &[0, 1, 2, 3],
+                &[1, 3],
+            ),
+            ("one preferred down", &[0, 2, 3], &[3]),
+            ("no preferred healthy: the normal one", &[0, 2], &[0]),
+            ("only the standby left", &[2], &[2]),
+            ("none healthy", &[], &[]),
+        ];
+        for (what, healthy, want) in cases {
+            let tables = plan(&layout, |id| healthy.contains(&id));
+            assert_eq!(tables[0].healthy, *want, "{what}");
+            assert_eq!(tables[0].all, [0, 1, 2, 3], "{what}: fail-open uses all");
+        }
+    }
+
+    #[test]
+    fn random_policy_ignores_locality_but_keeps_standby_last() {
+        let text = r#"
+            [[service]]
+            name = "api"
+            vips = ["127.0.0.1:6444"]
+            backends = ["10.0.0.1:1", "10.0.0.3:1,standby", "192.168.1.5:1"]
+        "#;
+        let layout = Layout::from_config(&parse_toml(text).unwrap(), |_| true);
+        assert_eq!(plan(&layout, |_| true)[0].healthy, [0, 2]);
+        assert_eq!(plan(&layout, |id| id == 1)[0].healthy, [1]);
     }
 
     #[test]

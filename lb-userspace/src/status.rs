@@ -3,7 +3,10 @@
 
 use std::{collections::BTreeMap, fmt};
 
-use lb_common::{SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY};
+use lb_common::{
+    ROLE_PREFERRED, ROLE_STANDBY, SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_PREFER_LOCAL,
+    SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY,
+};
 use serde::Serialize;
 
 use crate::{
@@ -20,8 +23,10 @@ pub struct StatusReport {
 pub struct ServiceStatus {
     pub name: String,
     pub vips: Vec<String>,
-    /// "fail-open" or "reject".
+    /// Selection policy: "random" or "prefer-local".
     pub policy: String,
+    /// "fail-open" or "reject".
+    pub when_none_healthy: String,
     pub all_netns: bool,
     /// Connects that found no healthy backend.
     pub none_healthy: u64,
@@ -37,6 +42,8 @@ pub struct BackendStatus {
     /// False while `healthy` is only assumed: no probe has answered yet.
     pub probed: bool,
     pub weight: u32,
+    /// "normal", "preferred" or "standby".
+    pub role: String,
     pub redirects: u64,
     /// Whether the backend is in the table connects read now.
     pub in_table: bool,
@@ -56,7 +63,12 @@ pub fn read(dataplane: &Dataplane) -> StatusReport {
             .or_insert_with(|| ServiceStatus {
                 name: name.clone(),
                 vips: Vec::new(),
-                policy: if info.flags & SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY != 0 {
+                policy: if info.flags & SERVICE_FLAG_PREFER_LOCAL != 0 {
+                    "prefer-local".into()
+                } else {
+                    "random".into()
+                },
+                when_none_healthy: if info.flags & SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY != 0 {
                     "reject".into()
                 } else {
                     "fail-open".into()
@@ -101,6 +113,12 @@ pub fn read(dataplane: &Dataplane) -> StatusReport {
             addr: socket_addr(&info.target).map_or_else(|| "?".into(), |addr| addr.to_string()),
             healthy: info.healthy != 0,
             probed: info.probed != 0,
+            role: match info.role {
+                ROLE_PREFERRED => "preferred",
+                ROLE_STANDBY => "standby",
+                _ => "normal",
+            }
+            .into(),
             weight: info.weight,
             redirects: dataplane.redirects(backend_id),
             in_table,
@@ -119,31 +137,30 @@ impl fmt::Display for StatusReport {
         for service in &self.services {
             writeln!(
                 f,
-                "service {}  vips {}  policy {}{}  none-healthy {} rejected {}",
+                "service {}  vips {}  policy {}  when-none-healthy {}{}  none-healthy {} rejected {}",
                 service.name,
                 service.vips.join(","),
                 service.policy,
-                if service.all_netns { " all-netns" } else { "" },
+                service.when_none_healthy,
+                if service.all_netns { "  all-netns" } else { "" },
                 service.none_healthy,
                 service.rejected
             )?;
             writeln!(
                 f,
-                "  {:<44} {:<9} {:>6} {:>10}",
-                "BACKEND", "HEALTH", "WEIGHT", "REDIRECTS"
+                "  {:<44} {:<9} {:>6} {:<9} {:>10}",
+                "BACKEND", "HEALTH", "WEIGHT", "ROLE", "REDIRECTS"
             )?;
             for backend in &service.backends {
+                let health = match (backend.probed, backend.healthy) {
+                    (false, _) => "unknown",
+                    (true, true) => "healthy",
+                    (true, false) => "unhealthy",
+                };
                 writeln!(
                     f,
-                    "  {:<44} {:<9} {:>6} {:>10}",
-                    backend.addr,
-                    if backend.healthy {
-                        "healthy"
-                    } else {
-                        "unhealthy"
-                    },
-                    backend.weight,
-                    backend.redirects
+                    "  {:<44} {:<9} {:>6} {:<9} {:>10}",
+                    backend.addr, health, backend.weight, backend.role, backend.redirects
                 )?;
             }
         }

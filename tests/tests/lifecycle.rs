@@ -413,7 +413,7 @@ fn table_swaps_under_churn_never_show_a_half_written_table() {
             .collect::<Vec<_>>()
             .join(",")
     );
-    let layout = Layout::from_config(&parse_toml(&text).expect("config"));
+    let layout = Layout::from_config(&parse_toml(&text).expect("config"), |_| false);
     let table = &layout.tables[0];
     // Two tables with different sizes: {b0} and {b1 ×1, b2 ×1}.
     let only_first = plan(&layout, |id| id == 0);

@@ -300,7 +300,7 @@ fn all_down_then_b0_listens(policy: &str) -> (Setup, Vec<socklb_tests::Attempt>)
         &format!("alldown-{policy}"),
         &["127.0.0.2", "127.0.0.3"],
         &[
-            "--policy",
+            "--when-none-healthy",
             policy,
             "--health-interval",
             "500ms",
@@ -376,5 +376,39 @@ fn a_vip_port_without_a_service_listener_elsewhere_stays_refused() {
     assert!(
         attempts.iter().all(|a| a.errno == Some(ECONNREFUSED)),
         "{attempts:?}"
+    );
+}
+
+#[test]
+fn a_standby_backend_serves_only_while_no_other_is_healthy() {
+    require_root();
+    let cgroup = Cgroup::new("standby");
+    let mut primary = Backend::start("primary", "127.0.0.2");
+    let standby = Backend::start("standby", "127.0.0.3");
+    let vip = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let mut args = service_args(&cgroup.path, &[vip], &[primary.addr], &[]);
+    args.extend(["--backend".to_string(), format!("{},standby", standby.addr)]);
+    let mut daemon = Daemon::start("standby", &args);
+    daemon.wait_health(&[primary.addr, standby.addr], true, Duration::from_secs(10));
+
+    let attempts = ClientRun::new(vip, Some(&cgroup.path), 50).run();
+    assert_eq!(
+        spread(&attempts).get("primary"),
+        Some(&50),
+        "the standby waits while the primary is healthy"
+    );
+
+    primary.stop();
+    daemon.wait_health(&[primary.addr], false, Duration::from_secs(10));
+    let attempts = ClientRun::new(vip, Some(&cgroup.path), 50).run();
+    assert_eq!(
+        spread(&attempts).get("standby"),
+        Some(&50),
+        "the standby takes over"
+    );
+    let status = daemon.status().expect("status");
+    assert_eq!(
+        backend_field(&status, &standby.addr.to_string(), "role"),
+        Some(serde_json::json!("standby"))
     );
 }

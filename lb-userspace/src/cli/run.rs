@@ -14,7 +14,7 @@ use socklb::{
 pub struct RunArgs {
     /// TOML file with one or more services (conflicts with the service flags).
     #[arg(long, value_name = "FILE", conflicts_with_all = [
-        "vip", "backend", "name", "policy", "all_netns", "health", "health_status", "health_host",
+        "vip", "backend", "name", "policy", "when_none_healthy", "all_netns", "health", "health_status", "health_host",
         "health_ca", "health_cert", "health_key", "health_server_name", "health_interval",
         "health_down_interval", "health_timeout", "rise", "fall",
     ])]
@@ -22,15 +22,21 @@ pub struct RunArgs {
     /// VIP that clients connect to (repeatable; IPv4 and IPv6 may share a service).
     #[arg(long, value_name = "ADDR:PORT")]
     vip: Vec<String>,
-    /// Backend server, optionally weighted (repeatable).
-    #[arg(long, value_name = "ADDR:PORT[,weight=N]")]
+    /// Backend server, optionally weighted, preferred (with --policy
+    /// prefer-local) or standby (used only when no other is healthy). Repeatable.
+    #[arg(long, value_name = "ADDR:PORT[,weight=N][,preferred][,standby]")]
     backend: Vec<String>,
     /// Name of the service given by flags.
     #[arg(long, default_value = "default")]
     name: String,
-    /// When no backend is healthy: use all of them (fail-open) or refuse with ECONNREFUSED (reject).
-    #[arg(long, value_name = "fail-open|reject")]
+    /// How to choose among healthy backends: random (weighted), or
+    /// prefer-local (backends on this host or marked preferred first).
+    #[arg(long, value_name = "random|prefer-local")]
     policy: Option<String>,
+    /// When no backend is healthy: use all of them (fail-open) or refuse the
+    /// connect with ECONNREFUSED (reject).
+    #[arg(long, value_name = "fail-open|reject")]
+    when_none_healthy: Option<String>,
     /// Redirect sockets in every network namespace, not only the daemon's own.
     #[arg(long)]
     all_netns: bool,
@@ -95,6 +101,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             vips: args.vip.clone(),
             backends: args.backend.iter().cloned().map(RawBackend::Spec).collect(),
             policy: args.policy.clone(),
+            when_none_healthy: args.when_none_healthy.clone(),
             all_netns: args.all_netns,
             health: RawHealth {
                 kind: args.health.clone(),

@@ -181,6 +181,8 @@ pub struct Service {
     pub when_none_healthy: NoneHealthyPolicy,
     /// Redirect sockets of every network namespace, not only the daemon's.
     pub all_netns: bool,
+    /// Close the redirected connections to a backend that becomes unhealthy.
+    pub close_on_failure: bool,
     pub health: HealthSettings,
 }
 
@@ -214,6 +216,8 @@ pub struct RawService {
     pub when_none_healthy: Option<String>,
     #[serde(default)]
     pub all_netns: bool,
+    /// Default true.
+    pub close_on_failure: Option<bool>,
     #[serde(default)]
     pub health: RawHealth,
 }
@@ -439,6 +443,7 @@ fn validate_service(
         policy,
         when_none_healthy,
         all_netns: raw.all_netns,
+        close_on_failure: raw.close_on_failure.unwrap_or(true),
         health,
     })
 }
@@ -927,6 +932,7 @@ impl fmt::Display for Config {
                     ", host network namespace only"
                 }
             )?;
+            writeln!(f, "  close-on-failure: {}", service.close_on_failure)?;
             let health = &service.health;
             writeln!(
                 f,

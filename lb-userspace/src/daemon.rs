@@ -31,6 +31,7 @@ use crate::{
     kernel::{self, BackendHealth, BpfLogLevel, Dataplane, KernelError, PinPaths},
     planner::{Layout, TableContents, endpoint, plan},
     probe::{ProbeSetupError, Prober},
+    sockets,
 };
 
 /// How often the daemon checks that the maps still hold what it wrote.
@@ -69,6 +70,24 @@ struct ProbedBackend {
     success_words: String,
     /// Set by the owner while the backend is down; read by its probe loop.
     down: Arc<AtomicBool>,
+    close_on_failure: bool,
+}
+
+/// Closes the connections socklb sent to a backend that just failed, after
+/// its table no longer lists it, so the clients reconnect elsewhere.
+fn close_connections(dataplane: &Dataplane, addr: SocketAddr) {
+    let target = endpoint(&addr);
+    let result = tokio::task::block_in_place(|| {
+        sockets::destroy_redirected(addr, |cookie| dataplane.redirected_to(cookie, &target))
+    });
+    match result {
+        Ok(report) if report.matched == 0 => {}
+        Ok(report) => info!(
+            "{addr}: closed {} of {} connections socklb had sent to it (close-on-failure)",
+            report.destroyed, report.matched
+        ),
+        Err(error) => warn!("{addr}: closing its connections failed: {error}"),
+    }
 }
 
 /// The single owner of health state and of what was written.
@@ -260,6 +279,7 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
                     addr: backend.addr,
                     success_words,
                     down,
+                    close_on_failure: table.close_on_failure,
                 },
             );
         }
@@ -294,6 +314,9 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
                 }
                 if let Err(error) = state.write_changes(&mut dataplane) {
                     warn!("writing the new tables failed, will retry on the next check: {error}");
+                }
+                if transition.is_some_and(|transition| !transition.healthy) && backend.close_on_failure {
+                    close_connections(&dataplane, backend.addr);
                 }
             }
             _ = sigterm.recv() => { info!("SIGTERM"); break; }

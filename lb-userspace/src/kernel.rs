@@ -22,7 +22,8 @@ use aya::{
 };
 use lb_common::{
     BackendInfo, BackendSlot, BackendStats, Endpoint, NAME_LEN, ROLE_NORMAL, ROLE_PREFERRED,
-    ROLE_STANDBY, SLOTS_PER_LIST, ServiceEntry, Settings, TableInfo, TableStats, bank_base,
+    ROLE_STANDBY, RedirectedSocket, SLOTS_PER_LIST, ServiceEntry, Settings, TableInfo, TableStats,
+    bank_base,
 };
 
 use crate::planner::{Layout, TableContents, TableLayout, Tier, endpoint};
@@ -184,6 +185,7 @@ pub struct BackendHealth {
 /// The maps, opened with their key and value types.
 pub struct Dataplane {
     services: BpfHashMap<MapData, Endpoint, ServiceEntry>,
+    redirects: BpfHashMap<MapData, u64, RedirectedSocket>,
     slots: Array<MapData, BackendSlot>,
     backends: BpfHashMap<MapData, u32, BackendInfo>,
     tables: BpfHashMap<MapData, u32, TableInfo>,
@@ -210,6 +212,7 @@ fn open_maps(
     }
     Ok(Dataplane {
         services: typed!("SERVICES"),
+        redirects: typed!("REDIRECTS"),
         slots: typed!("SLOTS"),
         backends: typed!("BACKENDS"),
         tables: typed!("TABLES"),
@@ -403,6 +406,13 @@ impl Dataplane {
             self.write_table(table, table_contents)?;
         }
         self.remove_stale(layout)
+    }
+
+    /// Whether socklb sent the socket with this cookie to `backend`.
+    pub fn redirected_to(&self, cookie: u64, backend: &Endpoint) -> bool {
+        self.redirects
+            .get(&cookie, 0)
+            .is_ok_and(|record| record.backend == *backend)
     }
 
     /// The service entry each VIP has now.

@@ -10,4 +10,5 @@ pub mod health;
 pub mod kernel;
 pub mod planner;
 pub mod probe;
+pub mod sockets;
 pub mod status;

@@ -88,6 +88,9 @@ pub struct Backend {
     pub name: String,
     pub addr: SocketAddr,
     running: Option<(Arc<AtomicBool>, JoinHandle<()>)>,
+    /// Accepted connections kept open (see `start_holding`); they outlive
+    /// `stop`, like established connections to a server whose listener died.
+    held: Option<Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>>,
 }
 
 impl Backend {
@@ -100,6 +103,23 @@ impl Backend {
             name: name.to_string(),
             addr,
             running: None,
+            held: None,
+        };
+        backend.serve(listener);
+        backend
+    }
+
+    /// Like `start`, but keeps every accepted connection open after sending
+    /// the name, until the backend is dropped.
+    pub fn start_holding(name: &str, ip: &str) -> Self {
+        let listener = TcpListener::bind((ip, 0))
+            .unwrap_or_else(|error| panic!("backend {name} binding {ip}: {error}"));
+        let addr = listener.local_addr().expect("bound address");
+        let mut backend = Self {
+            name: name.to_string(),
+            addr,
+            running: None,
+            held: Some(Arc::default()),
         };
         backend.serve(listener);
         backend
@@ -111,6 +131,7 @@ impl Backend {
             name: name.to_string(),
             addr,
             running: None,
+            held: None,
         };
         backend.resume();
         backend
@@ -123,12 +144,16 @@ impl Backend {
         let stop = Arc::new(AtomicBool::new(false));
         let name = self.name.clone();
         let flag = Arc::clone(&stop);
+        let held = self.held.clone();
         let thread = std::thread::spawn(move || {
             while !flag.load(Ordering::Relaxed) {
                 match listener.accept() {
                     Ok((mut stream, _)) => {
                         let _ = stream.set_nonblocking(false);
                         let _ = writeln!(stream, "{name}");
+                        if let Some(held) = &held {
+                            held.lock().expect("held connections").push(stream);
+                        }
                     }
                     Err(_) => std::thread::sleep(Duration::from_millis(1)),
                 }
@@ -221,6 +246,8 @@ pub struct Attempt {
     pub peer: Option<String>,
     pub errno: Option<i32>,
     pub error: Option<String>,
+    pub hold_end: Option<String>,
+    pub held_ms: Option<u64>,
 }
 
 /// How to run lbclient.
@@ -231,6 +258,8 @@ pub struct ClientRun<'a> {
     pub count: u32,
     pub interval_ms: u64,
     pub new_netns: bool,
+    /// Keep each connection open up to this long after reading the name.
+    pub hold_ms: Option<u64>,
 }
 
 impl<'a> ClientRun<'a> {
@@ -241,6 +270,7 @@ impl<'a> ClientRun<'a> {
             count,
             interval_ms: 0,
             new_netns: false,
+            hold_ms: None,
         }
     }
 
@@ -258,6 +288,9 @@ impl<'a> ClientRun<'a> {
         }
         if self.new_netns {
             command.arg("--new-netns");
+        }
+        if let Some(hold) = self.hold_ms {
+            command.arg("--hold-ms").arg(hold.to_string());
         }
         command.stdin(Stdio::null());
         command

@@ -412,3 +412,91 @@ fn a_standby_backend_serves_only_while_no_other_is_healthy() {
         Some(serde_json::json!("standby"))
     );
 }
+
+const ECONNABORTED: i32 = 103;
+
+/// Clients hold connections through the VIP to `primary`; its listener dies
+/// (the connections stay up, as when a server hangs or is removed) and
+/// `standby` takes over. Returns how the held connections ended, and the
+/// daemon.
+fn held_connections_when_the_backend_fails(
+    close_on_failure: &str,
+) -> (Vec<socklb_tests::Attempt>, Daemon, bool) {
+    require_root();
+    let cgroup = Cgroup::new(&format!("close-{close_on_failure}"));
+    let mut primary = Backend::start_holding("primary", "127.0.0.2");
+    let standby = Backend::start_holding("standby", "127.0.0.3");
+    let vip = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let mut args = service_args(
+        &cgroup.path,
+        &[vip],
+        &[primary.addr],
+        &["--close-on-failure", close_on_failure],
+    );
+    args.extend(["--backend".to_string(), format!("{},standby", standby.addr)]);
+    let mut daemon = Daemon::start(&format!("close-{close_on_failure}"), &args);
+    daemon.wait_health(&[primary.addr, standby.addr], true, Duration::from_secs(10));
+
+    let clients: Vec<_> = (0..4)
+        .map(|_| {
+            let mut run = ClientRun::new(vip, Some(&cgroup.path), 1);
+            run.hold_ms = Some(4000);
+            run.spawn()
+        })
+        .collect();
+    // A process outside the cgroup that dialled the backend directly.
+    let mut direct = std::net::TcpStream::connect(primary.addr).expect("direct connect");
+    std::thread::sleep(Duration::from_millis(300));
+    primary.stop();
+    daemon.wait_health(&[primary.addr], false, Duration::from_secs(10));
+    let attempts: Vec<_> = clients
+        .into_iter()
+        .flat_map(|client| client.finish())
+        .collect();
+
+    direct.set_nonblocking(true).expect("nonblocking");
+    let mut buffer = [0u8; 64];
+    let direct_alive = match std::io::Read::read(&mut direct, &mut buffer) {
+        Ok(0) => false,
+        Ok(_) => std::io::Read::read(&mut direct, &mut buffer)
+            .is_err_and(|error| error.kind() == std::io::ErrorKind::WouldBlock),
+        Err(error) => error.kind() == std::io::ErrorKind::WouldBlock,
+    };
+    (attempts, daemon, direct_alive)
+}
+
+#[test]
+fn connections_to_a_failed_backend_are_closed_and_others_are_not() {
+    let (attempts, daemon, direct_alive) = held_connections_when_the_backend_fails("true");
+    assert_eq!(attempts.len(), 4);
+    for attempt in &attempts {
+        assert_eq!(attempt.served_by.as_deref(), Some("primary"), "{attempt:?}");
+        assert_eq!(
+            attempt.hold_end.as_deref(),
+            Some("error"),
+            "closed by socklb: {attempt:?}"
+        );
+        assert_eq!(attempt.errno, Some(ECONNABORTED), "{attempt:?}");
+        assert!(
+            attempt.held_ms.is_some_and(|held| held < 3500),
+            "closed before the hold ran out: {attempt:?}"
+        );
+    }
+    assert!(
+        daemon.log().contains("closed 4 of 4 connections"),
+        "{}",
+        daemon.log()
+    );
+    assert!(
+        direct_alive,
+        "a connection socklb did not redirect stays open"
+    );
+}
+
+#[test]
+fn close_on_failure_false_leaves_connections_alone() {
+    let (attempts, _daemon, _) = held_connections_when_the_backend_fails("false");
+    for attempt in &attempts {
+        assert_eq!(attempt.hold_end.as_deref(), Some("timeout"), "{attempt:?}");
+    }
+}

@@ -14,7 +14,7 @@ use socklb::{
 pub struct RunArgs {
     /// TOML file with one or more services (conflicts with the service flags).
     #[arg(long, value_name = "FILE", conflicts_with_all = [
-        "vip", "backend", "name", "policy", "when_none_healthy", "all_netns", "health", "health_status", "health_host",
+        "vip", "backend", "name", "policy", "when_none_healthy", "all_netns", "close_on_failure", "health", "health_status", "health_host",
         "health_ca", "health_cert", "health_key", "health_server_name", "health_interval",
         "health_down_interval", "health_timeout", "rise", "fall",
     ])]
@@ -37,6 +37,10 @@ pub struct RunArgs {
     /// connect with ECONNREFUSED (reject).
     #[arg(long, value_name = "fail-open|reject")]
     when_none_healthy: Option<String>,
+    /// Close the redirected connections to a backend when it becomes
+    /// unhealthy, so long-lived watches reconnect elsewhere [default: true].
+    #[arg(long, value_name = "true|false", action = clap::ArgAction::Set)]
+    close_on_failure: Option<bool>,
     /// Redirect sockets in every network namespace, not only the daemon's own.
     #[arg(long)]
     all_netns: bool,
@@ -103,6 +107,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             policy: args.policy.clone(),
             when_none_healthy: args.when_none_healthy.clone(),
             all_netns: args.all_netns,
+            close_on_failure: args.close_on_failure,
             health: RawHealth {
                 kind: args.health.clone(),
                 path: None,

@@ -4,16 +4,20 @@
 //!
 //! Usage: lbclient --addr ADDR:PORT [--cgroup DIR] [--count N]
 //!                 [--interval-ms MS] [--timeout-ms MS] [--new-netns]
+//!                 [--hold-ms MS]
+//!
+//! With --hold-ms, each connection is kept open after the name is read,
+//! until the peer ends it or MS pass, and the line says how it ended.
 //!
 //! The backends of the tests answer each connection with their name and a
 //! newline; that is what `served_by` holds.
 
 use std::{
-    io::{BufRead, BufReader, Write},
+    io::{BufRead, BufReader, ErrorKind, Read, Write},
     net::{SocketAddr, TcpListener, TcpStream},
     path::PathBuf,
     process::{Command, ExitCode},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use serde::Serialize;
@@ -29,6 +33,7 @@ struct Args {
     interval: Duration,
     timeout: Duration,
     new_netns: bool,
+    hold: Option<Duration>,
 }
 
 #[derive(Serialize)]
@@ -38,6 +43,9 @@ struct Attempt {
     peer: Option<String>,
     errno: Option<i32>,
     error: Option<String>,
+    /// With --hold-ms: "eof", "error" (see errno) or "timeout".
+    hold_end: Option<String>,
+    held_ms: Option<u64>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -48,6 +56,7 @@ fn parse_args() -> Result<Args, String> {
         interval: Duration::ZERO,
         timeout: Duration::from_secs(2),
         new_netns: false,
+        hold: None,
     };
     let mut have_addr = false;
     let mut words = std::env::args().skip(1);
@@ -78,6 +87,11 @@ fn parse_args() -> Result<Args, String> {
                 )
             }
             "--new-netns" => args.new_netns = true,
+            "--hold-ms" => {
+                args.hold = Some(Duration::from_millis(
+                    value()?.parse().map_err(|e| format!("--hold-ms: {e}"))?,
+                ))
+            }
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -119,7 +133,7 @@ fn enter_new_netns(addr: SocketAddr) -> Result<(), String> {
     Ok(())
 }
 
-fn attempt(addr: SocketAddr, timeout: Duration) -> Attempt {
+fn attempt(addr: SocketAddr, timeout: Duration, hold: Option<Duration>) -> Attempt {
     match TcpStream::connect_timeout(&addr, timeout) {
         Err(error) => Attempt {
             ok: false,
@@ -127,21 +141,47 @@ fn attempt(addr: SocketAddr, timeout: Duration) -> Attempt {
             peer: None,
             errno: error.raw_os_error(),
             error: Some(error.to_string()),
+            hold_end: None,
+            held_ms: None,
         },
         Ok(stream) => {
             let peer = stream.peer_addr().ok().map(|peer| peer.to_string());
             let _ = stream.set_read_timeout(Some(timeout));
             let mut line = String::new();
-            let read = BufReader::new(&stream).read_line(&mut line);
+            let mut reader = BufReader::new(&stream);
+            let read = reader.read_line(&mut line);
             let served_by = line.trim().to_string();
             let ok = read.is_ok() && !served_by.is_empty();
-            Attempt {
+            let mut attempt = Attempt {
                 ok,
                 served_by: (!served_by.is_empty()).then_some(served_by),
                 peer,
                 errno: read.as_ref().err().and_then(std::io::Error::raw_os_error),
                 error: read.err().map(|e| e.to_string()),
+                hold_end: None,
+                held_ms: None,
+            };
+            if let (true, Some(hold)) = (ok, hold) {
+                let started = Instant::now();
+                let _ = stream.set_read_timeout(Some(hold));
+                let mut rest = Vec::new();
+                let end = match reader.read_to_end(&mut rest) {
+                    Ok(_) => "eof",
+                    Err(error)
+                        if matches!(error.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) =>
+                    {
+                        "timeout"
+                    }
+                    Err(error) => {
+                        attempt.errno = error.raw_os_error();
+                        attempt.error = Some(error.to_string());
+                        "error"
+                    }
+                };
+                attempt.hold_end = Some(end.to_string());
+                attempt.held_ms = Some(started.elapsed().as_millis() as u64);
             }
+            attempt
         }
     }
 }
@@ -172,7 +212,8 @@ fn main() -> ExitCode {
         if index > 0 && !args.interval.is_zero() {
             std::thread::sleep(args.interval);
         }
-        let line = serde_json::to_string(&attempt(args.addr, args.timeout)).expect("serialise");
+        let line =
+            serde_json::to_string(&attempt(args.addr, args.timeout, args.hold)).expect("serialise");
         if writeln!(out, "{line}").and_then(|()| out.flush()).is_err() {
             return ExitCode::from(1);
         }

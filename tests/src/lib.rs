@@ -426,6 +426,21 @@ impl Daemon {
         std::fs::read_to_string(&self.log_path).unwrap_or_default()
     }
 
+    /// Whether the log shows `text` within `limit` (the daemon may still be
+    /// writing the line about what the test just saw happen).
+    pub fn log_shows(&self, text: &str, limit: Duration) -> bool {
+        let deadline = Instant::now() + limit;
+        loop {
+            if self.log().contains(text) {
+                return true;
+            }
+            if Instant::now() > deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.as_ref().expect("running").id()
     }

@@ -115,7 +115,7 @@ fn sigkill_and_restart_while_a_client_connects_fails_no_connect() {
         "no connect may fail across kill and restart: {counts:?}"
     );
     assert!(
-        daemon.log().contains("adopted the pinned data plane"),
+        daemon.log_shows("adopted the pinned data plane", Duration::from_secs(3)),
         "{}",
         daemon.log()
     );

@@ -286,10 +286,12 @@ fn a_stopped_backend_leaves_the_table_in_time_and_gets_no_new_connects() {
     assert_eq!(counts.get("error"), None, "{counts:?}");
     assert_eq!(counts.values().sum::<usize>(), 100);
     assert!(
-        setup
-            .daemon
-            .log()
-            .contains(&format!("{stopped_addr} unhealthy: connect refused (3/3)"))
+        setup.daemon.log_shows(
+            &format!("{stopped_addr} unhealthy: connect refused (3/3)"),
+            Duration::from_secs(3)
+        ),
+        "{}",
+        setup.daemon.log()
     );
 }
 
@@ -483,7 +485,7 @@ fn connections_to_a_failed_backend_are_closed_and_others_are_not() {
         );
     }
     assert!(
-        daemon.log().contains("closed 4 of 4 connections"),
+        daemon.log_shows("closed 4 of 4 connections", Duration::from_secs(3)),
         "{}",
         daemon.log()
     );

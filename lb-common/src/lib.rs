@@ -49,6 +49,12 @@ pub const SERVICE_FLAG_ALL_NETNS: u32 = 1 << 1;
 /// `ServiceEntry::flags`: the table was planned with the prefer-local
 /// policy. Informational; the kernel's choice is the same.
 pub const SERVICE_FLAG_PREFER_LOCAL: u32 = 1 << 2;
+/// `ServiceEntry::flags`: pick the less loaded of two random healthy slots
+/// (power of two choices on `BackendConns::live`).
+pub const SERVICE_FLAG_LEAST_CONN: u32 = 1 << 3;
+
+/// Bytes of the `CONNECT_FAILURES` ring buffer.
+pub const CONNECT_FAILURES_BYTES: u32 = 64 * 1024;
 
 /// `BackendInfo::role`: an ordinary backend.
 pub const ROLE_NORMAL: u8 = 0;
@@ -142,8 +148,41 @@ pub struct RedirectedSocket {
     /// still is this backend, so a socket that reconnected elsewhere is shown
     /// as it is.
     pub backend: Endpoint,
+    /// The backend's id, for the connection counters of sock_ops.
+    pub backend_id: u32,
+    pub _pad: u32,
 }
-const _: () = assert!(size_of::<RedirectedSocket>() == 40);
+const _: () = assert!(size_of::<RedirectedSocket>() == 48);
+const _: () = assert!(offset_of!(RedirectedSocket, backend_id) == 40);
+
+/// Value of `BACKEND_CONNS`, indexed by backend id: what the sock_ops
+/// program sees of the connections socklb redirected. Shared by all CPUs and
+/// updated with atomic adds, because connect() reads `live` to choose.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackendConns {
+    /// Established connections now open. Signed: a connection established
+    /// before the program was attached may close after, and the sum is then
+    /// briefly below zero; readers clamp at zero.
+    pub live: i64,
+    /// Connects that went from SYN_SENT to CLOSE without establishing.
+    pub failed_connects: u64,
+    /// Failed connects since the last one that established.
+    pub consecutive_failures: u32,
+    pub _pad: u32,
+}
+const _: () = assert!(size_of::<BackendConns>() == 24);
+const _: () = assert!(offset_of!(BackendConns, consecutive_failures) == 16);
+
+/// A record of `CONNECT_FAILURES`: one failed connect, for the daemon.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ConnectFailure {
+    pub backend_id: u32,
+    /// `BackendConns::consecutive_failures` after this failure.
+    pub consecutive_failures: u32,
+}
+const _: () = assert!(size_of::<ConnectFailure>() == 8);
 
 /// Value of `BACKEND_STATS` (per CPU), indexed by backend id.
 #[repr(C)]
@@ -260,6 +299,15 @@ pub fn choose_slot(entry: &ServiceEntry, random: u32) -> SlotChoice {
     SlotChoice::Empty
 }
 
+/// Power of two choices: whether the second of two candidates should win,
+/// given their live connection counts (negative counts as zero). Ties go to
+/// the first, which is itself a random pick.
+#[inline(always)]
+pub fn second_is_less_loaded(first_live: i64, second_live: i64) -> bool {
+    let clamp = |live: i64| if live < 0 { 0 } else { live };
+    clamp(second_live) < clamp(first_live)
+}
+
 /// The first `SLOTS` index of a bank (0 or 1) of a table.
 pub const fn bank_base(table_id: u32, bank: u32) -> u32 {
     table_id * SLOTS_PER_TABLE + bank * SLOTS_PER_BANK
@@ -279,6 +327,8 @@ mod pod {
     unsafe impl aya::Pod for BackendInfo {}
     unsafe impl aya::Pod for TableInfo {}
     unsafe impl aya::Pod for Settings {}
+    unsafe impl aya::Pod for BackendConns {}
+    unsafe impl aya::Pod for ConnectFailure {}
 }
 
 #[cfg(test)]
@@ -335,6 +385,15 @@ mod tests {
         for (what, entry, random, want) in cases {
             assert_eq!(choose_slot(&entry, random), want, "{what}");
         }
+    }
+
+    #[test]
+    fn least_loaded_of_two() {
+        assert!(second_is_less_loaded(5, 2));
+        assert!(!second_is_less_loaded(2, 5));
+        assert!(!second_is_less_loaded(3, 3), "ties keep the first");
+        assert!(!second_is_less_loaded(-4, 0), "negative counts as zero");
+        assert!(second_is_less_loaded(1, -2));
     }
 
     #[test]

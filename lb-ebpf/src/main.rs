@@ -1,28 +1,39 @@
 //! socklb's kernel side: cgroup connect hooks that send a VIP's connects to a
 //! backend picked from a table the daemon keeps, and getpeername hooks that
-//! show the application the VIP it asked for.
+//! show the application the VIP it asked for. A sock_ops program counts the
+//! connections of each backend and reports failed connects.
 //!
 //! Every entry point is a thin wrapper: it calls a worker and maps the result
 //! to "proceed" (1) or "refuse" (0). Anything that is not a TCP connect to a
 //! configured VIP proceeds untouched.
 #![no_std]
 #![no_main]
+// The bpf target has no atomic types with read-modify-write methods; the
+// intrinsics lower to BPF's atomic add instructions.
+#![feature(core_intrinsics)]
+#![allow(internal_features)]
+
+use core::intrinsics::{AtomicOrdering::Relaxed, atomic_xadd};
 
 use aya_ebpf::{
     EbpfContext,
-    bindings::{BPF_ANY, bpf_sock_addr},
-    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    bindings::{
+        BPF_ANY, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_STATE_CB,
+        BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB, bpf_sock_addr,
+    },
+    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
     helpers::generated::{
         bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval,
     },
-    macros::{btf_map, cgroup_sock_addr},
-    programs::SockAddrContext,
+    macros::{btf_map, cgroup_sock_addr, sock_ops},
+    programs::{SockAddrContext, SockOpsContext},
 };
 use aya_log_ebpf::debug;
 use lb_common::{
-    BackendInfo, BackendSlot, BackendStats, Endpoint, FAMILY_V4, MAX_BACKENDS,
-    MAX_REDIRECTED_SOCKETS, MAX_SLOTS, MAX_TABLES, MAX_VIPS, RedirectedSocket,
-    SERVICE_FLAG_ALL_NETNS, ServiceEntry, Settings, SlotChoice, TableInfo, TableStats, choose_slot,
+    BackendConns, BackendInfo, BackendSlot, BackendStats, CONNECT_FAILURES_BYTES, ConnectFailure,
+    Endpoint, FAMILY_V4, MAX_BACKENDS, MAX_REDIRECTED_SOCKETS, MAX_SLOTS, MAX_TABLES, MAX_VIPS,
+    RedirectedSocket, SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_LEAST_CONN, ServiceEntry, Settings,
+    SlotChoice, TableInfo, TableStats, choose_slot, second_is_less_loaded,
 };
 
 /// VIP → current selection table. Written by the daemon (one update per
@@ -62,6 +73,17 @@ static TABLES: HashMap<u32, TableInfo, { MAX_TABLES as usize }> = HashMap::new()
 /// read by connect4/connect6.
 #[btf_map]
 static SETTINGS: Array<Settings, 1> = Array::new();
+
+/// Connection counters per backend id. Written by sock_ops (atomic adds),
+/// read by connect4/6 for least-conn and by status.
+#[btf_map]
+static BACKEND_CONNS: Array<BackendConns, { MAX_BACKENDS as usize }> = Array::new();
+
+/// One record per failed connect. Written by sock_ops, read by the daemon,
+/// which takes a backend out after enough failures in a row.
+#[btf_map]
+static CONNECT_FAILURES: RingBuf<ConnectFailure, { CONNECT_FAILURES_BYTES as usize }> =
+    RingBuf::new();
 
 const PROCEED: i32 = 1;
 const REFUSE: i32 = 0;
@@ -112,6 +134,9 @@ fn verdict(ctx: &SockAddrContext, result: Result<(), Refusal>) -> i32 {
 }
 
 #[inline(always)]
+// The context is kernel memory that the program exists to rewrite; the
+// kernel hands each invocation its own, so no other reference can alias it.
+#[allow(clippy::mut_from_ref)]
 fn sock_addr(ctx: &SockAddrContext) -> &mut bpf_sock_addr {
     // SAFETY: the kernel hands a valid context for the program's lifetime.
     unsafe { &mut *ctx.sock_addr }
@@ -133,7 +158,7 @@ fn connect4(ctx: &SockAddrContext) -> Result<(), Refusal> {
     }
     sa.user_ip4 = slot.target.addr_be[0];
     sa.user_port = slot.target.port_be as u32;
-    remember(ctx, &vip, &slot.target);
+    remember(ctx, &vip, &slot);
     Ok(())
 }
 
@@ -176,7 +201,7 @@ fn connect6(ctx: &SockAddrContext) -> Result<(), Refusal> {
         sa.user_ip6[3] = slot.target.addr_be[3];
     }
     sa.user_port = slot.target.port_be as u32;
-    remember(ctx, &vip, &slot.target);
+    remember(ctx, &vip, &slot);
     Ok(())
 }
 
@@ -206,9 +231,22 @@ fn select_backend(ctx: &SockAddrContext, vip: &Endpoint) -> Result<Option<Backen
     };
     // Array lookups are bounds-checked by the kernel: an index past the end
     // yields None, never a stray read.
-    let Some(slot) = SLOTS.get(index).copied() else {
+    let Some(mut slot) = SLOTS.get(index).copied() else {
         return Ok(None);
     };
+    if entry.flags & SERVICE_FLAG_LEAST_CONN != 0 && entry.healthy_slots > 1 {
+        // Power of two choices: a second random healthy slot, and the less
+        // loaded of the two wins. Two reads, no loop.
+        let other_index = entry.bank_base + unsafe { bpf_get_prandom_u32() } % entry.healthy_slots;
+        if let Some(other) = SLOTS.get(other_index).copied()
+            && second_is_less_loaded(
+                live_connections(slot.backend_id),
+                live_connections(other.backend_id),
+            )
+        {
+            slot = other;
+        }
+    }
     if let Some(stats) = BACKEND_STATS.get_ptr_mut(slot.backend_id) {
         // Per-CPU value: no other writer, a plain add is race free.
         unsafe { (*stats).redirects += 1 };
@@ -218,6 +256,17 @@ fn select_backend(ctx: &SockAddrContext, vip: &Endpoint) -> Result<Option<Backen
         "socklb: table {} slot {} -> backend {}", entry.table_id, index, slot.backend_id
     );
     Ok(Some(slot))
+}
+
+#[inline(always)]
+fn live_connections(backend_id: u32) -> i64 {
+    match BACKEND_CONNS.get_ptr(backend_id) {
+        // SAFETY: the pointer is into the map's value; the atomic view
+        // matches the atomic adds of sock_ops.
+        // SAFETY: an aligned 8-byte load from a map value is atomic on BPF.
+        Some(conns) => unsafe { core::ptr::read_volatile(&raw const (*conns).live) },
+        None => 0,
+    }
 }
 
 #[inline(always)]
@@ -245,11 +294,13 @@ fn count_none_healthy(table_id: u32, rejected: bool) {
 }
 
 #[inline(always)]
-fn remember(ctx: &SockAddrContext, vip: &Endpoint, backend: &Endpoint) {
+fn remember(ctx: &SockAddrContext, vip: &Endpoint, slot: &BackendSlot) {
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     let record = RedirectedSocket {
         vip: *vip,
-        backend: *backend,
+        backend: slot.target,
+        backend_id: slot.backend_id,
+        _pad: 0,
     };
     // Best effort: if the insert fails, getpeername shows the backend.
     let _ = REDIRECTS.insert(cookie, record, BPF_ANY as u64);
@@ -300,6 +351,83 @@ fn getpeername6(ctx: &SockAddrContext) {
         sa.user_ip6[3] = vip.addr_be[3];
     }
     sa.user_port = vip.port_be as u32;
+}
+
+#[sock_ops]
+pub fn socklb_sockops(ctx: SockOpsContext) -> u32 {
+    count_connection(&ctx);
+    // sock_ops verdicts are ignored for these callbacks; 1 is "ok".
+    1
+}
+
+/// TCP states, as in include/net/tcp_states.h.
+const TCP_SYN_SENT: u32 = 2;
+const TCP_CLOSE: u32 = 7;
+
+/// The backend id of a socket socklb redirected, and its cookie.
+#[inline(always)]
+fn redirected_backend(ctx: &SockOpsContext) -> Option<(u64, u32)> {
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let record = unsafe { REDIRECTS.get(cookie) }?;
+    Some((cookie, record.backend_id))
+}
+
+fn count_connection(ctx: &SockOpsContext) {
+    let op = ctx.op();
+    if op != BPF_SOCK_OPS_TCP_CONNECT_CB
+        && op != BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB
+        && op != BPF_SOCK_OPS_STATE_CB
+    {
+        return;
+    }
+    let Some((cookie, backend_id)) = redirected_backend(ctx) else {
+        return;
+    };
+    let Some(conns) = BACKEND_CONNS.get_ptr_mut(backend_id) else {
+        return;
+    };
+    // SAFETY (all accesses below): `conns` points into a map value that
+    // lives as long as the map; every CPU updates it with atomic adds or
+    // aligned single stores only.
+    let live = unsafe { &raw mut (*conns).live };
+    let consecutive = unsafe { &raw mut (*conns).consecutive_failures };
+    match op {
+        BPF_SOCK_OPS_TCP_CONNECT_CB => {
+            // Ask for state changes of this socket, to see how it ends.
+            let _ = ctx.set_cb_flags((ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG) as i32);
+        }
+        BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB => unsafe {
+            atomic_xadd::<i64, i64, { Relaxed }>(live, 1);
+            core::ptr::write_volatile(consecutive, 0);
+        },
+        _ => {
+            let (old_state, new_state) = (ctx.arg(0), ctx.arg(1));
+            if new_state != TCP_CLOSE {
+                return;
+            }
+            if old_state == TCP_SYN_SENT {
+                // The fetch-add's returned value is not reliable on this
+                // LLVM's BPF backend (it yields the operand), so read the
+                // counter back; a concurrent failure can only make it larger.
+                let consecutive_failures = unsafe {
+                    atomic_xadd::<u64, u64, { Relaxed }>(&raw mut (*conns).failed_connects, 1);
+                    atomic_xadd::<u32, u32, { Relaxed }>(consecutive, 1);
+                    core::ptr::read_volatile(consecutive)
+                };
+                let failure = ConnectFailure {
+                    backend_id,
+                    consecutive_failures,
+                };
+                // If the ring is full the daemon is behind; the counters
+                // above still hold the truth.
+                let _ = CONNECT_FAILURES.output(failure, 0);
+            } else {
+                unsafe { atomic_xadd::<i64, i64, { Relaxed }>(live, -1) };
+            }
+            // The socket is gone; its getpeername record is no longer needed.
+            let _ = REDIRECTS.remove(cookie);
+        }
+    }
 }
 
 #[cfg(not(test))]

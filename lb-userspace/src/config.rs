@@ -91,6 +91,9 @@ pub enum SelectionPolicy {
     /// Weighted random over all healthy backends.
     #[default]
     Random,
+    /// Power of two random choices on live connection counts, decided in
+    /// the kernel at connect().
+    LeastConn,
     /// Weighted random over the healthy backends on this host or marked
     /// `preferred`; the others only while none of those is healthy.
     PreferLocal,
@@ -100,6 +103,7 @@ impl SelectionPolicy {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Random => "random",
+            Self::LeastConn => "least-conn",
             Self::PreferLocal => "prefer-local",
         }
     }
@@ -107,6 +111,7 @@ impl SelectionPolicy {
     pub fn parse(text: &str) -> Option<Self> {
         match text {
             "random" => Some(Self::Random),
+            "least-conn" => Some(Self::LeastConn),
             "prefer-local" => Some(Self::PreferLocal),
             _ => None,
         }
@@ -137,6 +142,9 @@ pub struct HealthSettings {
     pub rise: u32,
     /// Consecutive failures that make an up backend unhealthy.
     pub fall: u32,
+    /// Failed connects in a row, seen by the kernel, that take a backend out
+    /// at once without waiting for a probe; 0 turns this off.
+    pub connect_failures: u32,
 }
 
 impl Default for HealthSettings {
@@ -148,6 +156,7 @@ impl Default for HealthSettings {
             timeout: Duration::from_secs(1),
             rise: 2,
             fall: 3,
+            connect_failures: 2,
         }
     }
 }
@@ -262,6 +271,7 @@ pub struct RawHealth {
     pub timeout: Option<String>,
     pub rise: Option<i64>,
     pub fall: Option<i64>,
+    pub connect_failures: Option<i64>,
 }
 
 /// Status codes as a TOML list or as the flag's comma-separated text.
@@ -400,7 +410,9 @@ fn validate_service(
         Some(text) => SelectionPolicy::parse(text).unwrap_or_else(|| {
             errors.push(field_error(
                 field_name("policy", "--policy"),
-                format!("unknown policy {text:?}; expected \"random\" or \"prefer-local\""),
+                format!(
+                    "unknown policy {text:?}; expected \"random\", \"least-conn\" or \"prefer-local\""
+                ),
             ));
             SelectionPolicy::default()
         }),
@@ -639,6 +651,16 @@ fn validate_health(raw: &RawHealth, prefix: &str, errors: &mut Vec<FieldError>) 
         .unwrap_or(defaults.timeout);
     let rise = count_in_range(raw.rise, defaults.rise, &name("rise", "--rise"), errors);
     let fall = count_in_range(raw.fall, defaults.fall, &name("fall", "--fall"), errors);
+    let connect_failures = match raw.connect_failures {
+        None => defaults.connect_failures,
+        Some(0) => 0,
+        Some(_) => count_in_range(
+            raw.connect_failures,
+            defaults.connect_failures,
+            &name("connect-failures", "--connect-failures"),
+            errors,
+        ),
+    };
     let probe = validate_probe(raw, &name, errors).unwrap_or_default();
     HealthSettings {
         probe,
@@ -647,6 +669,7 @@ fn validate_health(raw: &RawHealth, prefix: &str, errors: &mut Vec<FieldError>) 
         timeout,
         rise,
         fall,
+        connect_failures,
     }
 }
 
@@ -944,6 +967,14 @@ impl fmt::Display for Config {
                 health.rise,
                 health.fall
             )?;
+            writeln!(
+                f,
+                "  passive: {}",
+                match health.connect_failures {
+                    0 => "off".to_string(),
+                    count => format!("out after {count} failed connects in a row"),
+                }
+            )?;
             for backend in &service.backends {
                 let role = match backend.role {
                     BackendRole::Normal => "",
@@ -1009,7 +1040,8 @@ mod tests {
                 down_interval: Duration::from_millis(500),
                 timeout: Duration::from_secs(2),
                 rise: 1,
-                fall: 5
+                fall: 5,
+                connect_failures: 2,
             }
         );
     }

@@ -5,29 +5,20 @@
 //! the trackers, logs each transition once, asks the planner for the new
 //! tables and writes the ones that changed.
 
-use std::{
-    collections::HashMap,
-    net::SocketAddr,
-    path::PathBuf,
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
-    time::Duration,
-};
+use std::{collections::HashMap, net::SocketAddr, path::PathBuf, time::Duration};
 
-use lb_common::{BackendInfo, Settings};
+use lb_common::{BackendInfo, ConnectFailure, Settings};
 use tokio::{
     io::{Interest, unix::AsyncFd},
     signal::unix::{SignalKind, signal},
-    sync::mpsc,
+    sync::{mpsc, watch},
 };
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::{
     cgroup::{self, CgroupError},
     config::Config,
-    health::{HealthTracker, ProbeReport, probe_loop},
+    health::{HealthTracker, ProbeReport, Transition, probe_loop},
     kernel::{self, BackendHealth, BpfLogLevel, Dataplane, KernelError, PinPaths},
     planner::{Layout, TableContents, endpoint, plan},
     probe::{ProbeSetupError, Prober},
@@ -69,8 +60,19 @@ struct ProbedBackend {
     /// How a passing probe is described in a transition message.
     success_words: String,
     /// Set by the owner while the backend is down; read by its probe loop.
-    down: Arc<AtomicBool>,
+    down: watch::Sender<bool>,
     close_on_failure: bool,
+    /// Failed connects in a row that take it out (0: never).
+    connect_failures: u32,
+}
+
+/// One record of the `CONNECT_FAILURES` ring buffer.
+fn parse_connect_failure(bytes: &[u8]) -> Option<ConnectFailure> {
+    if bytes.len() < std::mem::size_of::<ConnectFailure>() {
+        return None;
+    }
+    // SAFETY: the length is checked; ConnectFailure is plain integers.
+    Some(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<ConnectFailure>()) })
 }
 
 /// Closes the connections socklb sent to a backend that just failed, after
@@ -132,6 +134,39 @@ impl State {
                 _ => HealthTracker::unknown(&table.health),
             };
             self.trackers.insert(backend.id, tracker);
+        }
+    }
+
+    /// Logs a backend's transition once, writes the tables, and closes the
+    /// connections to a backend that went down.
+    fn apply(
+        &mut self,
+        dataplane: &mut Dataplane,
+        backend: &ProbedBackend,
+        transition: Option<Transition>,
+    ) {
+        let healthy = transition.as_ref().map(|transition| transition.healthy);
+        if let Some(transition) = &transition {
+            let message = transition.message(backend.addr);
+            if transition.healthy {
+                info!("{message}");
+            } else {
+                warn!("{message}");
+            }
+        }
+        if let Some(healthy) = healthy {
+            let down_now = !healthy;
+            backend.down.send_if_modified(|down| {
+                let changed = *down != down_now;
+                *down = down_now;
+                changed
+            });
+        }
+        if let Err(error) = self.write_changes(dataplane) {
+            warn!("writing the new tables failed, will retry on the next check: {error}");
+        }
+        if healthy == Some(false) && backend.close_on_failure {
+            close_connections(dataplane, backend.addr);
         }
     }
 
@@ -263,13 +298,13 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
     for table in &state.layout.tables {
         let prober = Prober::new(&table.health.probe).map_err(DaemonError::Probe)?;
         for backend in &table.backends {
-            let down = Arc::new(AtomicBool::new(!state.is_healthy(backend.id)));
+            let (down, down_receiver) = watch::channel(!state.is_healthy(backend.id));
             tokio::spawn(probe_loop(
                 backend.id,
                 backend.addr,
                 prober.clone(),
                 table.health.clone(),
-                Arc::clone(&down),
+                down_receiver,
                 reports_tx.clone(),
             ));
             let success_words = prober.success_words();
@@ -280,11 +315,26 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
                     success_words,
                     down,
                     close_on_failure: table.close_on_failure,
+                    connect_failures: table.health.connect_failures,
                 },
             );
         }
     }
     drop(reports_tx);
+    let mut connect_failures = match kernel::open_connect_failures(&paths)
+        .map_err(|error| error.to_string())
+        .and_then(|ring| {
+            // SAFETY: the ring buffer owns its descriptor and keeps it open and
+            // unchanged until the AsyncFd drops it.
+            unsafe { AsyncFd::register_with_interest(ring, Interest::READABLE) }
+                .map_err(|error| error.to_string())
+        }) {
+        Ok(ring) => Some(ring),
+        Err(error) => {
+            warn!("failed connects seen by the kernel will not be acted on: {error}");
+            None
+        }
+    };
 
     let signal_error = |source| DaemonError::Io {
         what: "installing signal handlers",
@@ -305,18 +355,38 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
                 // A first answer that confirms the assumed state changes no
                 // table, but status must stop calling the backend unknown.
                 let newly_settled = !was_settled && tracker.is_settled();
-                backend.down.store(!tracker.is_healthy(), Ordering::Relaxed);
-                if let Some(transition) = &transition {
-                    let message = transition.message(backend.addr);
-                    if transition.healthy { info!("{message}") } else { warn!("{message}") }
-                } else if !newly_settled {
-                    continue;
+                if transition.is_some() || newly_settled {
+                    state.apply(&mut dataplane, backend, transition);
                 }
-                if let Err(error) = state.write_changes(&mut dataplane) {
-                    warn!("writing the new tables failed, will retry on the next check: {error}");
+            }
+            Some(mut guard) = async {
+                match connect_failures.as_mut() {
+                    Some(ring) => ring.readable_mut().await.ok(),
+                    None => std::future::pending().await,
                 }
-                if transition.is_some_and(|transition| !transition.healthy) && backend.close_on_failure {
-                    close_connections(&dataplane, backend.addr);
+            } => {
+                let mut failures = Vec::new();
+                while let Some(record) = guard.get_inner_mut().next() {
+                    failures.extend(parse_connect_failure(&record));
+                }
+                guard.clear_ready();
+                for failure in failures {
+                    debug!(
+                        backend_id = failure.backend_id,
+                        consecutive = failure.consecutive_failures,
+                        "failed connect reported by the kernel"
+                    );
+                    let backend = match probed.get(&failure.backend_id) {
+                        Some(backend) if backend.connect_failures > 0
+                            && failure.consecutive_failures >= backend.connect_failures => backend,
+                        _ => continue,
+                    };
+                    let Some(tracker) = state.trackers.get_mut(&failure.backend_id) else { continue };
+                    let count = failure.consecutive_failures;
+                    let transition = tracker.mark_down(format!("{count} failed connects in a row"), count);
+                    if transition.is_some() {
+                        state.apply(&mut dataplane, backend, transition);
+                    }
                 }
             }
             _ = sigterm.recv() => { info!("SIGTERM"); break; }

@@ -5,17 +5,13 @@
 //! after `rise` successes or `fall` failures in a row, and reports each
 //! change exactly once. Probe kinds live in [`crate::probe`].
 
-use std::{
-    net::SocketAddr,
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
-    time::Duration,
-};
+use std::{net::SocketAddr, time::Duration};
 
 use rand::Rng;
-use tokio::{sync::mpsc, time};
+use tokio::{
+    sync::{mpsc, watch},
+    time,
+};
 
 pub use crate::probe::ProbeFailure;
 use crate::{config::HealthSettings, probe::Prober};
@@ -90,6 +86,24 @@ impl HealthTracker {
         self.settled
     }
 
+    /// Takes a healthy backend out at once, for a reason seen outside the
+    /// probes (the kernel's failed connects). It comes back only after
+    /// `rise` passed probes. Returns the transition, if it was healthy.
+    pub fn mark_down(&mut self, reason: String, count: u32) -> Option<Transition> {
+        if !self.healthy {
+            return None;
+        }
+        self.healthy = false;
+        self.settled = true;
+        self.streak = 0;
+        Some(Transition {
+            healthy: false,
+            reason,
+            streak: count,
+            needed: count,
+        })
+    }
+
     /// Feeds one probe outcome; returns the transition if the state changed.
     pub fn record(
         &mut self,
@@ -153,13 +167,14 @@ pub struct ProbeReport {
 /// Probes one backend until the receiver is gone, reporting each outcome.
 /// The first probe runs after a short random delay. While the owner marks
 /// the backend down (`down`), probes run every `down_interval` instead
-/// (HAProxy's `downinter`).
+/// (HAProxy's `downinter`); a change of `down` ends the current wait, so a
+/// backend the kernel just reported failing is probed again at once.
 pub async fn probe_loop(
     backend_id: u32,
     addr: SocketAddr,
     prober: Prober,
     settings: HealthSettings,
-    down: Arc<AtomicBool>,
+    mut down: watch::Receiver<bool>,
     reports: mpsc::Sender<ProbeReport>,
 ) {
     let first_delay = settings
@@ -178,13 +193,20 @@ pub async fn probe_loop(
         {
             return;
         }
-        let base = if down.load(Ordering::Relaxed) {
+        let base = if *down.borrow_and_update() {
             settings.down_interval
         } else {
             settings.interval
         };
         let wait = jittered(base, &mut rand::rng());
-        time::sleep(wait).await;
+        tokio::select! {
+            () = time::sleep(wait) => {}
+            changed = down.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+            }
+        }
     }
 }
 
@@ -251,6 +273,25 @@ mod tests {
         let (states, transitions) = run(&mut up, &[true, false]);
         assert_eq!(states, [true, true]);
         assert!(transitions.is_empty());
+    }
+
+    #[test]
+    fn marked_down_comes_back_after_rise_passes() {
+        let mut tracker = HealthTracker::known(&settings(2, 3), true);
+        let transition = tracker
+            .mark_down("2 failed connects in a row".into(), 2)
+            .unwrap();
+        assert_eq!(
+            transition.message("127.0.0.3:8443".parse().unwrap()),
+            "127.0.0.3:8443 unhealthy: 2 failed connects in a row (2/2)"
+        );
+        assert!(
+            tracker.mark_down("again".into(), 2).is_none(),
+            "logged once"
+        );
+        let (states, transitions) = run(&mut tracker, &[true, true]);
+        assert_eq!(states, [false, true]);
+        assert_eq!(transitions.len(), 1);
     }
 
     #[test]

@@ -17,13 +17,13 @@ use std::{
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap as BpfHashMap, Map, MapData, MapError, PerCpuArray, PerCpuValues},
-    programs::{CgroupAttachMode, CgroupSockAddr, links::FdLink, links::PinnedLink},
+    programs::{CgroupAttachMode, Program, ProgramError, links::FdLink, links::PinnedLink},
     util::nr_cpus,
 };
 use lb_common::{
-    BackendInfo, BackendSlot, BackendStats, Endpoint, NAME_LEN, ROLE_NORMAL, ROLE_PREFERRED,
-    ROLE_STANDBY, RedirectedSocket, SLOTS_PER_LIST, ServiceEntry, Settings, TableInfo, TableStats,
-    bank_base,
+    BackendConns, BackendInfo, BackendSlot, BackendStats, Endpoint, NAME_LEN, ROLE_NORMAL,
+    ROLE_PREFERRED, ROLE_STANDBY, RedirectedSocket, SLOTS_PER_LIST, ServiceEntry, Settings,
+    TableInfo, TableStats, bank_base,
 };
 
 use crate::planner::{Layout, TableContents, TableLayout, Tier, endpoint};
@@ -35,7 +35,7 @@ static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"),
 pub const DEFAULT_PIN_PATH: &str = "/sys/fs/bpf/socklb";
 
 /// The maps socklb pins, by name. Pin file name = map name.
-pub const MAP_NAMES: [&str; 8] = [
+pub const MAP_NAMES: [&str; 10] = [
     "SERVICES",
     "SLOTS",
     "REDIRECTS",
@@ -44,14 +44,17 @@ pub const MAP_NAMES: [&str; 8] = [
     "BACKENDS",
     "TABLES",
     "SETTINGS",
+    "BACKEND_CONNS",
+    "CONNECT_FAILURES",
 ];
 
 /// The programs socklb attaches; each link is pinned as `link_<program>`.
-pub const PROGRAMS: [&str; 4] = [
+pub const PROGRAMS: [&str; 5] = [
     "socklb_connect4",
     "socklb_connect6",
     "socklb_getpeername4",
     "socklb_getpeername6",
+    "socklb_sockops",
 ];
 
 /// The program whose log ring buffer the daemon forwards (all share it).
@@ -190,6 +193,7 @@ pub struct Dataplane {
     backends: BpfHashMap<MapData, u32, BackendInfo>,
     tables: BpfHashMap<MapData, u32, TableInfo>,
     backend_stats: PerCpuArray<MapData, BackendStats>,
+    backend_conns: Array<MapData, BackendConns>,
     table_stats: PerCpuArray<MapData, TableStats>,
     settings: Array<MapData, Settings>,
 }
@@ -217,6 +221,7 @@ fn open_maps(
         backends: typed!("BACKENDS"),
         tables: typed!("TABLES"),
         backend_stats: typed!("BACKEND_STATS"),
+        backend_conns: typed!("BACKEND_CONNS"),
         table_stats: typed!("TABLE_STATS"),
         settings: typed!("SETTINGS"),
     })
@@ -455,7 +460,17 @@ impl Dataplane {
         let zeros = per_cpu_zeros::<BackendStats>()?;
         self.backend_stats
             .set(backend_id, zeros, 0)
-            .map_err(map_error("BACKEND_STATS"))
+            .map_err(map_error("BACKEND_STATS"))?;
+        self.backend_conns
+            .set(backend_id, BackendConns::default(), 0)
+            .map_err(map_error("BACKEND_CONNS"))
+    }
+
+    /// What sock_ops counted for one backend; `live` clamped at zero.
+    pub fn connections(&self, backend_id: u32) -> BackendConns {
+        let mut conns = self.backend_conns.get(&backend_id, 0).unwrap_or_default();
+        conns.live = conns.live.max(0);
+        conns
     }
 
     fn reset_table_stats(&mut self, table_id: u32) -> Result<(), KernelError> {
@@ -613,9 +628,7 @@ fn install(
         .override_global("AYA_LOG_LEVEL", &level, false)
         .load(EBPF_OBJECT)?;
     for name in PROGRAMS {
-        program(&mut ebpf, name)?
-            .load()
-            .map_err(|source| KernelError::Program { name, source })?;
+        load_program(&mut ebpf, name)?;
     }
     for name in MAP_NAMES {
         let path = paths.map(name);
@@ -634,17 +647,7 @@ fn install(
     let cgroup = File::open(cgroup_dir).map_err(io_error(cgroup_dir))?;
     let mut logging_program_id = 0;
     for name in PROGRAMS {
-        let program = program(&mut ebpf, name)?;
-        let program_error = |source| KernelError::Program { name, source };
-        // A bpf_link attach always allows other programs beside ours.
-        let link_id = program
-            .attach(&cgroup, CgroupAttachMode::Single)
-            .map_err(program_error)?;
-        let link = program.take_link(link_id).map_err(program_error)?;
-        let fd_link: FdLink = link.try_into().map_err(|source| KernelError::Link {
-            path: paths.link(name),
-            source,
-        })?;
+        let fd_link = attach_program(&mut ebpf, name, &cgroup, paths)?;
         let path = paths.link(name);
         let pinned = fd_link.pin(&path).map_err(|source| KernelError::Pin {
             path: path.clone(),
@@ -665,17 +668,51 @@ fn install(
     })
 }
 
-fn program<'a>(
-    ebpf: &'a mut Ebpf,
+fn load_program(ebpf: &mut Ebpf, name: &'static str) -> Result<(), KernelError> {
+    let result = match ebpf.program_mut(name) {
+        Some(Program::CgroupSockAddr(program)) => program.load(),
+        Some(Program::SockOps(program)) => program.load(),
+        _ => Err(ProgramError::UnexpectedProgramType),
+    };
+    result.map_err(|source| KernelError::Program { name, source })
+}
+
+/// Attaches one program to the cgroup with a bpf_link, which always lets
+/// other programs run beside ours, and hands the link back for pinning.
+fn attach_program(
+    ebpf: &mut Ebpf,
     name: &'static str,
-) -> Result<&'a mut CgroupSockAddr, KernelError> {
-    let program = ebpf.program_mut(name).ok_or(KernelError::Program {
-        name,
-        source: aya::programs::ProgramError::UnexpectedProgramType,
-    })?;
-    program
-        .try_into()
-        .map_err(|source| KernelError::Program { name, source })
+    cgroup: &File,
+    paths: &PinPaths,
+) -> Result<FdLink, KernelError> {
+    let program_error = |source| KernelError::Program { name, source };
+    let link_error = |source| KernelError::Link {
+        path: paths.link(name),
+        source,
+    };
+    match ebpf.program_mut(name) {
+        Some(Program::CgroupSockAddr(program)) => {
+            let id = program
+                .attach(cgroup, CgroupAttachMode::Single)
+                .map_err(program_error)?;
+            program
+                .take_link(id)
+                .map_err(program_error)?
+                .try_into()
+                .map_err(link_error)
+        }
+        Some(Program::SockOps(program)) => {
+            let id = program
+                .attach(cgroup, CgroupAttachMode::Single)
+                .map_err(program_error)?;
+            program
+                .take_link(id)
+                .map_err(program_error)?
+                .try_into()
+                .map_err(link_error)
+        }
+        _ => Err(program_error(ProgramError::UnexpectedProgramType)),
+    }
 }
 
 /// Removes every pin socklb owns under `paths`, links first so that
@@ -690,6 +727,16 @@ pub fn remove_pins(paths: &PinPaths) -> Vec<PathBuf> {
     // Fails, harmlessly, if someone else keeps files there.
     let _ = std::fs::remove_dir(&paths.dir);
     removed
+}
+
+/// The ring buffer of failed connects that sock_ops fills.
+pub fn open_connect_failures(paths: &PinPaths) -> Result<aya::maps::RingBuf<MapData>, KernelError> {
+    let name = "CONNECT_FAILURES";
+    let data = MapData::from_pin(paths.map(name)).map_err(map_error(name))?;
+    Map::from_map_data(data)
+        .map_err(map_error(name))?
+        .try_into()
+        .map_err(map_error(name))
 }
 
 /// `socklb uninstall`: like [`remove_pins`], but an error when nothing of

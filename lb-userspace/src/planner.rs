@@ -9,8 +9,8 @@
 use std::net::{IpAddr, SocketAddr};
 
 use lb_common::{
-    Endpoint, FAMILY_V4, FAMILY_V6, SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_PREFER_LOCAL,
-    SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY, SLOTS_PER_LIST,
+    Endpoint, FAMILY_V4, FAMILY_V6, SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_LEAST_CONN,
+    SERVICE_FLAG_PREFER_LOCAL, SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY, SLOTS_PER_LIST,
 };
 
 use crate::config::{BackendRole, Config, HealthSettings, NoneHealthyPolicy, SelectionPolicy};
@@ -66,6 +66,9 @@ impl Layout {
             let mut flags = 0;
             if service.when_none_healthy == NoneHealthyPolicy::Reject {
                 flags |= SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY;
+            }
+            if service.policy == SelectionPolicy::LeastConn {
+                flags |= SERVICE_FLAG_LEAST_CONN;
             }
             let prefer_local = service.policy == SelectionPolicy::PreferLocal;
             if prefer_local {

@@ -45,6 +45,10 @@ pub struct BackendStatus {
     /// "normal", "preferred" or "standby".
     pub role: String,
     pub redirects: u64,
+    /// Established connections open now (counted by sock_ops).
+    pub live: i64,
+    /// Connects that never established.
+    pub failed_connects: u64,
     /// Whether the backend is in the table connects read now.
     pub in_table: bool,
 }
@@ -105,6 +109,7 @@ pub fn read(dataplane: &Dataplane) -> StatusReport {
         else {
             continue;
         };
+        let conns = dataplane.connections(backend_id);
         let in_table = entries
             .iter()
             .find(|(_, entry)| entry.table_id == info.table_id)
@@ -121,6 +126,8 @@ pub fn read(dataplane: &Dataplane) -> StatusReport {
             .into(),
             weight: info.weight,
             redirects: dataplane.redirects(backend_id),
+            live: conns.live,
+            failed_connects: conns.failed_connects,
             in_table,
         });
     }
@@ -148,8 +155,8 @@ impl fmt::Display for StatusReport {
             )?;
             writeln!(
                 f,
-                "  {:<44} {:<9} {:>6} {:<9} {:>10}",
-                "BACKEND", "HEALTH", "WEIGHT", "ROLE", "REDIRECTS"
+                "  {:<44} {:<9} {:>6} {:<9} {:>10} {:>6} {:>7}",
+                "BACKEND", "HEALTH", "WEIGHT", "ROLE", "REDIRECTS", "LIVE", "FAILED"
             )?;
             for backend in &service.backends {
                 let health = match (backend.probed, backend.healthy) {
@@ -159,8 +166,14 @@ impl fmt::Display for StatusReport {
                 };
                 writeln!(
                     f,
-                    "  {:<44} {:<9} {:>6} {:<9} {:>10}",
-                    backend.addr, health, backend.weight, backend.role, backend.redirects
+                    "  {:<44} {:<9} {:>6} {:<9} {:>10} {:>6} {:>7}",
+                    backend.addr,
+                    health,
+                    backend.weight,
+                    backend.role,
+                    backend.redirects,
+                    backend.live,
+                    backend.failed_connects
                 )?;
             }
         }

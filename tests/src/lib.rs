@@ -260,6 +260,8 @@ pub struct ClientRun<'a> {
     pub new_netns: bool,
     /// Keep each connection open up to this long after reading the name.
     pub hold_ms: Option<u64>,
+    /// Keep all connections open until this long after the last.
+    pub keep_open_ms: Option<u64>,
 }
 
 impl<'a> ClientRun<'a> {
@@ -271,6 +273,7 @@ impl<'a> ClientRun<'a> {
             interval_ms: 0,
             new_netns: false,
             hold_ms: None,
+            keep_open_ms: None,
         }
     }
 
@@ -291,6 +294,9 @@ impl<'a> ClientRun<'a> {
         }
         if let Some(hold) = self.hold_ms {
             command.arg("--hold-ms").arg(hold.to_string());
+        }
+        if let Some(keep_open) = self.keep_open_ms {
+            command.arg("--keep-open-ms").arg(keep_open.to_string());
         }
         command.stdin(Stdio::null());
         command

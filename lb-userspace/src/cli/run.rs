@@ -16,7 +16,7 @@ pub struct RunArgs {
     #[arg(long, value_name = "FILE", conflicts_with_all = [
         "vip", "backend", "name", "policy", "when_none_healthy", "all_netns", "close_on_failure", "health", "health_status", "health_host",
         "health_ca", "health_cert", "health_key", "health_server_name", "health_interval",
-        "health_down_interval", "health_timeout", "rise", "fall",
+        "health_down_interval", "health_timeout", "rise", "fall", "connect_failures",
     ])]
     config: Option<PathBuf>,
     /// VIP that clients connect to (repeatable; IPv4 and IPv6 may share a service).
@@ -29,9 +29,10 @@ pub struct RunArgs {
     /// Name of the service given by flags.
     #[arg(long, default_value = "default")]
     name: String,
-    /// How to choose among healthy backends: random (weighted), or
+    /// How to choose among healthy backends: random (weighted), least-conn
+    /// (power of two choices on live connections, in the kernel), or
     /// prefer-local (backends on this host or marked preferred first).
-    #[arg(long, value_name = "random|prefer-local")]
+    #[arg(long, value_name = "random|least-conn|prefer-local")]
     policy: Option<String>,
     /// When no backend is healthy: use all of them (fail-open) or refuse the
     /// connect with ECONNREFUSED (reject).
@@ -83,6 +84,10 @@ pub struct RunArgs {
     /// Consecutive failed probes that make a backend unhealthy.
     #[arg(long)]
     fall: Option<i64>,
+    /// Failed connects in a row (seen by the kernel) that take a backend
+    /// out at once; 0 turns this off [default: 2].
+    #[arg(long, value_name = "N")]
+    connect_failures: Option<i64>,
     /// cgroup v2 directory to attach to [default: the root of the v2 hierarchy].
     #[arg(long, value_name = "DIR")]
     cgroup: Option<PathBuf>,
@@ -122,6 +127,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
                 timeout: args.health_timeout.clone(),
                 rise: args.rise,
                 fall: args.fall,
+                connect_failures: args.connect_failures,
             },
         })?,
     };

@@ -8,6 +8,8 @@
 //!
 //! With --hold-ms, each connection is kept open after the name is read,
 //! until the peer ends it or MS pass, and the line says how it ended.
+//! With --keep-open-ms, every connection stays open until MS after the
+//! last one was made (the lines are printed as they are made).
 //!
 //! The backends of the tests answer each connection with their name and a
 //! newline; that is what `served_by` holds.
@@ -34,6 +36,7 @@ struct Args {
     timeout: Duration,
     new_netns: bool,
     hold: Option<Duration>,
+    keep_open: Option<Duration>,
 }
 
 #[derive(Serialize)]
@@ -57,6 +60,7 @@ fn parse_args() -> Result<Args, String> {
         timeout: Duration::from_secs(2),
         new_netns: false,
         hold: None,
+        keep_open: None,
     };
     let mut have_addr = false;
     let mut words = std::env::args().skip(1);
@@ -87,6 +91,13 @@ fn parse_args() -> Result<Args, String> {
                 )
             }
             "--new-netns" => args.new_netns = true,
+            "--keep-open-ms" => {
+                args.keep_open = Some(Duration::from_millis(
+                    value()?
+                        .parse()
+                        .map_err(|e| format!("--keep-open-ms: {e}"))?,
+                ))
+            }
             "--hold-ms" => {
                 args.hold = Some(Duration::from_millis(
                     value()?.parse().map_err(|e| format!("--hold-ms: {e}"))?,
@@ -133,7 +144,12 @@ fn enter_new_netns(addr: SocketAddr) -> Result<(), String> {
     Ok(())
 }
 
-fn attempt(addr: SocketAddr, timeout: Duration, hold: Option<Duration>) -> Attempt {
+fn attempt(
+    addr: SocketAddr,
+    timeout: Duration,
+    hold: Option<Duration>,
+    kept: &mut Vec<TcpStream>,
+) -> Attempt {
     match TcpStream::connect_timeout(&addr, timeout) {
         Err(error) => Attempt {
             ok: false,
@@ -181,6 +197,8 @@ fn attempt(addr: SocketAddr, timeout: Duration, hold: Option<Duration>) -> Attem
                 attempt.hold_end = Some(end.to_string());
                 attempt.held_ms = Some(started.elapsed().as_millis() as u64);
             }
+            drop(reader);
+            kept.push(stream);
             attempt
         }
     }
@@ -208,15 +226,22 @@ fn main() -> ExitCode {
     }
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
+    let mut kept = Vec::new();
     for index in 0..args.count {
         if index > 0 && !args.interval.is_zero() {
             std::thread::sleep(args.interval);
         }
-        let line =
-            serde_json::to_string(&attempt(args.addr, args.timeout, args.hold)).expect("serialise");
+        let line = serde_json::to_string(&attempt(args.addr, args.timeout, args.hold, &mut kept))
+            .expect("serialise");
+        if args.keep_open.is_none() {
+            kept.clear();
+        }
         if writeln!(out, "{line}").and_then(|()| out.flush()).is_err() {
             return ExitCode::from(1);
         }
+    }
+    if let Some(keep_open) = args.keep_open {
+        std::thread::sleep(keep_open);
     }
     ExitCode::SUCCESS
 }

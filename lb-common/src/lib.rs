@@ -37,6 +37,8 @@ pub const MAX_BACKENDS: u32 = 4096;
 pub const MAX_VIPS: u32 = 256;
 /// Redirected sockets remembered for getpeername (LRU).
 pub const MAX_REDIRECTED_SOCKETS: u32 = 65536;
+/// Backends that `socklb drain` may mark at once (`DRAINS`).
+pub const MAX_DRAINS: u32 = 1024;
 /// Bytes of a service name kept in `TABLES` (NUL padded).
 pub const NAME_LEN: usize = 64;
 
@@ -222,7 +224,8 @@ pub struct BackendInfo {
     pub probed: u8,
     /// `ROLE_*`: the backend's priority tier.
     pub role: u8,
-    pub _pad: u8,
+    /// 1 while draining: no new connections, existing ones left alone.
+    pub draining: u8,
 }
 const _: () = assert!(size_of::<BackendInfo>() == 32);
 const _: () = assert!(offset_of!(BackendInfo, healthy) == 28);

@@ -30,6 +30,7 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::debug;
 use lb_common::{
+    MAX_DRAINS,
     BackendConns, BackendInfo, BackendSlot, BackendStats, CONNECT_FAILURES_BYTES, ConnectFailure,
     Endpoint, FAMILY_V4, MAX_BACKENDS, MAX_REDIRECTED_SOCKETS, MAX_SLOTS, MAX_TABLES, MAX_VIPS,
     RedirectedSocket, SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_LEAST_CONN, ServiceEntry, Settings,
@@ -68,6 +69,11 @@ static BACKENDS: HashMap<u32, BackendInfo, { MAX_BACKENDS as usize }> = HashMap:
 /// Table id → service name and policy. Written by the daemon, read by status.
 #[btf_map]
 static TABLES: HashMap<u32, TableInfo, { MAX_TABLES as usize }> = HashMap::new();
+
+/// Backend address → 1: drains asked for by `socklb drain`. Written by that
+/// command, read by the daemon; the programs never touch it.
+#[btf_map]
+static DRAINS: HashMap<Endpoint, u32, { MAX_DRAINS as usize }> = HashMap::new();
 
 /// Index 0: the daemon's netns cookie. Written by the daemon at install,
 /// read by connect4/connect6.

@@ -178,6 +178,8 @@ pub struct Backend {
     pub addr: SocketAddr,
     pub weight: u32,
     pub role: BackendRole,
+    /// Takes no new connections; existing ones are left alone.
+    pub drain: bool,
 }
 
 /// One validated service.
@@ -249,6 +251,8 @@ pub struct RawBackendTable {
     pub preferred: bool,
     #[serde(default)]
     pub standby: bool,
+    #[serde(default)]
+    pub drain: bool,
 }
 
 /// Health settings as written; durations are strings such as `"500ms"`.
@@ -519,17 +523,18 @@ fn parse_endpoint(text: &str, field: &str, errors: &mut Vec<FieldError>) -> Opti
 
 /// Parses the flag form `ADDR:PORT[,weight=N]` or the TOML table form.
 fn parse_backend(raw: &RawBackend, field: &str, errors: &mut Vec<FieldError>) -> Option<Backend> {
-    let (addr_text, weight, preferred, standby) = match raw {
+    let (addr_text, weight, preferred, standby, drain) = match raw {
         RawBackend::Table(table) => (
             table.addr.as_str(),
             table.weight,
             table.preferred,
             table.standby,
+            table.drain,
         ),
         RawBackend::Spec(spec) => {
             let mut parts = spec.split(',');
             let addr_text = parts.next().unwrap_or_default();
-            let (mut weight, mut preferred, mut standby) = (None, false, false);
+            let (mut weight, mut preferred, mut standby, mut drain) = (None, false, false, false);
             for option in parts {
                 match option.trim().split_once('=') {
                     Some(("weight", value)) => match value.trim().parse::<i64>() {
@@ -544,18 +549,19 @@ fn parse_backend(raw: &RawBackend, field: &str, errors: &mut Vec<FieldError>) ->
                     },
                     None if option.trim() == "preferred" => preferred = true,
                     None if option.trim() == "standby" => standby = true,
+                    None if option.trim() == "drain" => drain = true,
                     _ => {
                         errors.push(field_error(
                             field,
                             format!(
-                                "unknown option {option:?}; expected weight=N, preferred or standby"
+                                "unknown option {option:?}; expected weight=N, preferred, standby or drain"
                             ),
                         ));
                         return None;
                     }
                 }
             }
-            (addr_text, weight, preferred, standby)
+            (addr_text, weight, preferred, standby, drain)
         }
     };
     let addr = parse_endpoint(addr_text, field, errors)?;
@@ -583,6 +589,7 @@ fn parse_backend(raw: &RawBackend, field: &str, errors: &mut Vec<FieldError>) ->
         addr,
         weight: weight as u32,
         role,
+        drain,
     })
 }
 
@@ -983,8 +990,10 @@ impl fmt::Display for Config {
                 };
                 writeln!(
                     f,
-                    "  backend {} weight {}{role}",
-                    backend.addr, backend.weight
+                    "  backend {} weight {}{role}{}",
+                    backend.addr,
+                    backend.weight,
+                    if backend.drain { " draining" } else { "" }
                 )?;
             }
         }
@@ -1024,11 +1033,13 @@ mod tests {
                     addr: "10.0.0.1:6443".parse().unwrap(),
                     weight: 2,
                     role: BackendRole::Normal,
+                    drain: false,
                 },
                 Backend {
                     addr: "[fd00::1]:6443".parse().unwrap(),
                     weight: 3,
                     role: BackendRole::Normal,
+                    drain: false,
                 },
             ]
         );
@@ -1455,6 +1466,26 @@ mod tests {
         let fields: Vec<&str> = errors.iter().map(|e| e.field.as_str()).collect();
         assert!(fields.contains(&"--health-status"), "{fields:?}");
         assert!(fields.contains(&"--health-ca"), "{fields:?}");
+    }
+
+    #[test]
+    fn backend_options() {
+        let text = service_toml(
+            "vips=[\"127.0.0.1:1\"]\npolicy=\"prefer-local\"\nbackends=[\"127.0.0.2:1,weight=3,drain\", \"127.0.0.3:1,preferred\", {addr=\"127.0.0.4:1\",standby=true,drain=true}]",
+        );
+        let backends = &parse_toml(&text).unwrap().services[0].backends;
+        let summary: Vec<(u32, BackendRole, bool)> = backends
+            .iter()
+            .map(|b| (b.weight, b.role, b.drain))
+            .collect();
+        assert_eq!(
+            summary,
+            [
+                (3, BackendRole::Normal, true),
+                (1, BackendRole::Preferred, false),
+                (1, BackendRole::Standby, true)
+            ]
+        );
     }
 
     #[test]

@@ -5,9 +5,14 @@
 //! the trackers, logs each transition once, asks the planner for the new
 //! tables and writes the ones that changed.
 
-use std::{collections::HashMap, net::SocketAddr, path::PathBuf, time::Duration};
+use std::{
+    collections::{HashMap, HashSet},
+    net::SocketAddr,
+    path::PathBuf,
+    time::Duration,
+};
 
-use lb_common::{BackendInfo, ConnectFailure, Settings};
+use lb_common::{BackendInfo, ConnectFailure, Endpoint, Settings};
 use tokio::{
     io::{Interest, unix::AsyncFd},
     signal::unix::{SignalKind, signal},
@@ -27,6 +32,8 @@ use crate::{
 
 /// How often the daemon checks that the maps still hold what it wrote.
 const RECONCILE_INTERVAL: Duration = Duration::from_secs(5);
+/// How often the daemon looks for `socklb drain` requests.
+const DRAIN_CHECK_INTERVAL: Duration = Duration::from_millis(500);
 
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
@@ -96,6 +103,9 @@ fn close_connections(dataplane: &Dataplane, addr: SocketAddr) {
 struct State {
     layout: Layout,
     trackers: HashMap<u32, HealthTracker>,
+    /// Backends that take no new connections: from the config, or asked
+    /// for with `socklb drain` (read from `DRAINS`).
+    draining: HashSet<u32>,
     written: Vec<TableContents>,
 }
 
@@ -112,11 +122,45 @@ impl State {
             .map_or_else(BackendHealth::default, |tracker| BackendHealth {
                 healthy: tracker.is_healthy(),
                 probed: tracker.is_settled(),
+                draining: self.draining.contains(&backend_id),
             })
     }
 
+    /// A draining backend is planned like an unhealthy one: out of the
+    /// healthy list, still in the fail-open list.
     fn plan(&self) -> Vec<TableContents> {
-        plan(&self.layout, |id| self.is_healthy(id))
+        plan(&self.layout, |id| {
+            self.is_healthy(id) && !self.draining.contains(&id)
+        })
+    }
+
+    /// Recomputes the draining set from the config and the drain requests;
+    /// logs each change once and returns whether anything changed.
+    fn update_draining(&mut self, requests: &HashSet<Endpoint>) -> bool {
+        let draining: HashSet<u32> = self
+            .layout
+            .backends()
+            .filter(|(_, backend)| backend.drain || requests.contains(&endpoint(&backend.addr)))
+            .map(|(_, backend)| backend.id)
+            .collect();
+        if draining == self.draining {
+            return false;
+        }
+        for (_, backend) in self.layout.backends() {
+            match (
+                self.draining.contains(&backend.id),
+                draining.contains(&backend.id),
+            ) {
+                (false, true) => info!(
+                    "{} draining: no new connections, existing ones stay",
+                    backend.addr
+                ),
+                (true, false) => info!("{} no longer draining", backend.addr),
+                _ => {}
+            }
+        }
+        self.draining = draining;
+        true
     }
 
     /// Seeds each tracker from the pinned record of a previous daemon when
@@ -252,6 +296,7 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
     let mut state = State {
         layout: Layout::from_config(&options.config, is_local_address),
         trackers: HashMap::new(),
+        draining: HashSet::new(),
         written: Vec::new(),
     };
     let installed = kernel::install_or_adopt(
@@ -261,6 +306,7 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
         options.bpf_log,
         |dataplane| {
             state.seed(&dataplane.backend_records().into_iter().collect());
+            state.update_draining(&dataplane.drain_requests());
             dataplane.write_settings(Settings {
                 host_netns_cookie,
                 attached_cgroup_id: cgroup_id,
@@ -344,6 +390,8 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
     let mut sigint = signal(SignalKind::interrupt()).map_err(signal_error)?;
     let mut reconcile = tokio::time::interval(RECONCILE_INTERVAL);
     reconcile.tick().await;
+    let mut drain_check = tokio::time::interval(DRAIN_CHECK_INTERVAL);
+    drain_check.tick().await;
 
     loop {
         tokio::select! {
@@ -391,6 +439,13 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
             }
             _ = sigterm.recv() => { info!("SIGTERM"); break; }
             _ = sigint.recv() => { info!("SIGINT"); break; }
+            _ = drain_check.tick() => {
+                if state.update_draining(&dataplane.drain_requests())
+                    && let Err(error) = state.write_changes(&mut dataplane)
+                {
+                    warn!("writing the new tables failed, will retry on the next check: {error}");
+                }
+            }
             _ = reconcile.tick() => {
                 if let Err(error) = state.reconcile(&mut dataplane, &paths) {
                     warn!("reconcile failed: {error}");

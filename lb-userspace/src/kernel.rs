@@ -35,7 +35,7 @@ static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"),
 pub const DEFAULT_PIN_PATH: &str = "/sys/fs/bpf/socklb";
 
 /// The maps socklb pins, by name. Pin file name = map name.
-pub const MAP_NAMES: [&str; 10] = [
+pub const MAP_NAMES: [&str; 11] = [
     "SERVICES",
     "SLOTS",
     "REDIRECTS",
@@ -46,6 +46,7 @@ pub const MAP_NAMES: [&str; 10] = [
     "SETTINGS",
     "BACKEND_CONNS",
     "CONNECT_FAILURES",
+    "DRAINS",
 ];
 
 /// The programs socklb attaches; each link is pinned as `link_<program>`.
@@ -183,6 +184,8 @@ pub struct BackendHealth {
     pub healthy: bool,
     /// False while `healthy` is only assumed (no probe has answered yet).
     pub probed: bool,
+    /// Takes no new connections (config `drain` or `socklb drain`).
+    pub draining: bool,
 }
 
 /// The maps, opened with their key and value types.
@@ -194,6 +197,7 @@ pub struct Dataplane {
     tables: BpfHashMap<MapData, u32, TableInfo>,
     backend_stats: PerCpuArray<MapData, BackendStats>,
     backend_conns: Array<MapData, BackendConns>,
+    drains: BpfHashMap<MapData, Endpoint, u32>,
     table_stats: PerCpuArray<MapData, TableStats>,
     settings: Array<MapData, Settings>,
 }
@@ -222,6 +226,7 @@ fn open_maps(
         tables: typed!("TABLES"),
         backend_stats: typed!("BACKEND_STATS"),
         backend_conns: typed!("BACKEND_CONNS"),
+        drains: typed!("DRAINS"),
         table_stats: typed!("TABLE_STATS"),
         settings: typed!("SETTINGS"),
     })
@@ -345,7 +350,7 @@ impl Dataplane {
                     Tier::Normal => ROLE_NORMAL,
                     Tier::Standby => ROLE_STANDBY,
                 },
-                _pad: 0,
+                draining: u8::from(state.draining),
             };
             let old = self.backends.get(&backend.id, 0).ok();
             if old.is_none_or(|old| old.target != info.target || old.table_id != info.table_id) {
@@ -411,6 +416,24 @@ impl Dataplane {
             self.write_table(table, table_contents)?;
         }
         self.remove_stale(layout)
+    }
+
+    /// The backends `socklb drain` asked to drain.
+    pub fn drain_requests(&self) -> HashSet<Endpoint> {
+        self.drains.keys().filter_map(Result::ok).collect()
+    }
+
+    /// Asks for (or withdraws) a drain of one backend address.
+    pub fn request_drain(&mut self, backend: Endpoint, drain: bool) -> Result<(), KernelError> {
+        let result = if drain {
+            self.drains.insert(backend, 1, 0)
+        } else {
+            match self.drains.remove(&backend) {
+                Err(MapError::KeyNotFound) => Ok(()),
+                other => other,
+            }
+        };
+        result.map_err(map_error("DRAINS"))
     }
 
     /// Whether socklb sent the socket with this cookie to `backend`.

@@ -33,6 +33,8 @@ pub struct BackendLayout {
     pub addr: SocketAddr,
     pub weight: u32,
     pub tier: Tier,
+    /// Drained by the config: no new connections.
+    pub drain: bool,
 }
 
 /// One selection table: a service's VIPs and backends of one family.
@@ -106,6 +108,7 @@ impl Layout {
                             addr: backend.addr,
                             weight: backend.weight,
                             tier,
+                            drain: backend.drain,
                         }
                     })
                     .collect();

@@ -44,6 +44,8 @@ pub struct BackendStatus {
     pub weight: u32,
     /// "normal", "preferred" or "standby".
     pub role: String,
+    /// Takes no new connections (config `drain` or `socklb drain`).
+    pub draining: bool,
     pub redirects: u64,
     /// Established connections open now (counted by sock_ops).
     pub live: i64,
@@ -118,6 +120,7 @@ pub fn read(dataplane: &Dataplane) -> StatusReport {
             addr: socket_addr(&info.target).map_or_else(|| "?".into(), |addr| addr.to_string()),
             healthy: info.healthy != 0,
             probed: info.probed != 0,
+            draining: info.draining != 0,
             role: match info.role {
                 ROLE_PREFERRED => "preferred",
                 ROLE_STANDBY => "standby",
@@ -159,10 +162,11 @@ impl fmt::Display for StatusReport {
                 "BACKEND", "HEALTH", "WEIGHT", "ROLE", "REDIRECTS", "LIVE", "FAILED"
             )?;
             for backend in &service.backends {
-                let health = match (backend.probed, backend.healthy) {
-                    (false, _) => "unknown",
-                    (true, true) => "healthy",
-                    (true, false) => "unhealthy",
+                let health = match (backend.draining, backend.probed, backend.healthy) {
+                    (true, _, _) => "draining",
+                    (false, false, _) => "unknown",
+                    (false, true, true) => "healthy",
+                    (false, true, false) => "unhealthy",
                 };
                 writeln!(
                     f,

@@ -502,3 +502,87 @@ fn close_on_failure_false_leaves_connections_alone() {
         assert_eq!(attempt.hold_end.as_deref(), Some("timeout"), "{attempt:?}");
     }
 }
+
+#[test]
+fn drain_stops_new_connections_and_keeps_existing_ones() {
+    require_root();
+    let cgroup = Cgroup::new("drain");
+    let drained = Backend::start_holding("drained", "127.0.0.2");
+    let other = Backend::start_holding("other", "127.0.0.3");
+    let config_drained = Backend::start("config-drained", "127.0.0.4");
+    let vip = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let mut args = service_args(&cgroup.path, &[vip], &[drained.addr, other.addr], &[]);
+    args.extend([
+        "--backend".to_string(),
+        format!("{},drain", config_drained.addr),
+    ]);
+    let mut daemon = Daemon::start("drain", &args);
+    daemon.wait_health(
+        &[drained.addr, other.addr, config_drained.addr],
+        true,
+        Duration::from_secs(10),
+    );
+    let pin = daemon.pin_path.display().to_string();
+
+    let before = spread(&ClientRun::new(vip, Some(&cgroup.path), 60).run());
+    assert_eq!(
+        before.get("config-drained"),
+        None,
+        "drain in the config: {before:?}"
+    );
+    assert!(
+        before.get("drained").is_some_and(|count| *count > 5),
+        "{before:?}"
+    );
+
+    // A connection that is open when the drain starts stays open.
+    let mut run = ClientRun::new(vip, Some(&cgroup.path), 1);
+    run.hold_ms = Some(2500);
+    let held: Vec<_> = (0..6).map(|_| run.spawn()).collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let output = socklb_tests::socklb(&["drain", &drained.addr.to_string(), "--pin-path", &pin]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    daemon.wait_for("draining in status", Duration::from_secs(3), |status| {
+        backend_field(status, &drained.addr.to_string(), "draining")
+            == Some(serde_json::json!(true))
+    });
+    let during = spread(&ClientRun::new(vip, Some(&cgroup.path), 60).run());
+    assert_eq!(
+        during.get("drained"),
+        None,
+        "no new connection while draining: {during:?}"
+    );
+    for attempt in held.into_iter().flat_map(|client| client.finish()) {
+        assert_eq!(
+            attempt.hold_end.as_deref(),
+            Some("timeout"),
+            "existing connection left alone: {attempt:?}"
+        );
+    }
+
+    let output = socklb_tests::socklb(&[
+        "drain",
+        "--undo",
+        &drained.addr.to_string(),
+        "--pin-path",
+        &pin,
+    ]);
+    assert!(output.status.success());
+    daemon.wait_for("drain undone", Duration::from_secs(3), |status| {
+        backend_field(status, &drained.addr.to_string(), "draining")
+            == Some(serde_json::json!(false))
+    });
+    let after = spread(&ClientRun::new(vip, Some(&cgroup.path), 60).run());
+    assert!(
+        after.get("drained").is_some_and(|count| *count > 5),
+        "{after:?}"
+    );
+
+    let unknown = socklb_tests::socklb(&["drain", "127.0.0.9:1", "--pin-path", &pin]);
+    assert_eq!(unknown.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&unknown.stderr).contains("not a backend of any service"));
+}

@@ -1,6 +1,7 @@
 //! Command-line definitions, one module per subcommand.
 
 mod check_config;
+mod drain;
 mod run;
 mod status;
 mod uninstall;
@@ -27,6 +28,7 @@ enum Command {
     Status(status::StatusArgs),
     Uninstall(uninstall::UninstallArgs),
     CheckConfig(check_config::CheckConfigArgs),
+    Drain(drain::DrainArgs),
 }
 
 /// The directory under bpffs where socklb pins its maps and links.
@@ -43,6 +45,7 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::Status(args) => status::status(args),
         Command::Uninstall(args) => uninstall::uninstall(args),
         Command::CheckConfig(args) => check_config::check_config(args),
+        Command::Drain(args) => drain::drain(args),
     }
 }
 

@@ -23,8 +23,12 @@ pub struct RunArgs {
     #[arg(long, value_name = "ADDR:PORT")]
     vip: Vec<String>,
     /// Backend server, optionally weighted, preferred (with --policy
-    /// prefer-local) or standby (used only when no other is healthy). Repeatable.
-    #[arg(long, value_name = "ADDR:PORT[,weight=N][,preferred][,standby]")]
+    /// prefer-local), standby (used only when no other is healthy) or
+    /// drain (no new connections). Repeatable.
+    #[arg(
+        long,
+        value_name = "ADDR:PORT[,weight=N][,preferred][,standby][,drain]"
+    )]
     backend: Vec<String>,
     /// Name of the service given by flags.
     #[arg(long, default_value = "default")]

@@ -25,7 +25,7 @@ use crate::{
     config::Config,
     health::{HealthTracker, ProbeReport, Transition, probe_loop},
     kernel::{self, BackendHealth, BpfLogLevel, Dataplane, KernelError, PinPaths},
-    planner::{Layout, TableContents, endpoint, plan},
+    planner::{Layout, TableContents, endpoint, plan, socket_addr},
     probe::{ProbeSetupError, Prober},
     sockets,
 };
@@ -299,13 +299,26 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
         draining: HashSet::new(),
         written: Vec::new(),
     };
+    let mut removed: Vec<SocketAddr> = Vec::new();
     let installed = kernel::install_or_adopt(
         &paths,
         &cgroup_dir,
         cgroup_id,
         options.bpf_log,
         |dataplane| {
-            state.seed(&dataplane.backend_records().into_iter().collect());
+            let previous: HashMap<u32, BackendInfo> =
+                dataplane.backend_records().into_iter().collect();
+            let kept: HashSet<Endpoint> = state
+                .layout
+                .backends()
+                .map(|(_, backend)| endpoint(&backend.addr))
+                .collect();
+            removed = previous
+                .values()
+                .filter(|info| !kept.contains(&info.target))
+                .filter_map(|info| socket_addr(&info.target))
+                .collect();
+            state.seed(&previous);
             state.update_draining(&dataplane.drain_requests());
             dataplane.write_settings(Settings {
                 host_netns_cookie,
@@ -316,6 +329,12 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
         },
     )?;
     let mut dataplane = installed.dataplane;
+    // Backends that a previous daemon served and this configuration drops
+    // are gone from the tables now; close what socklb had sent to them.
+    for addr in removed {
+        info!("{addr} removed from the configuration");
+        close_connections(&dataplane, addr);
+    }
     info!(
         cgroup = %cgroup_dir.display(),
         pin_path = %paths.dir.display(),

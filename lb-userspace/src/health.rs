@@ -182,6 +182,10 @@ pub async fn probe_loop(
         .mul_f64(rand::rng().random_range(0.0..JITTER));
     time::sleep(first_delay).await;
     loop {
+        // Probes start every interval, however long each takes, so that a
+        // backend that times out is still judged within fall × interval +
+        // timeout.
+        let started = time::Instant::now();
         let outcome = prober.probe(addr, settings.timeout).await;
         if reports
             .send(ProbeReport {
@@ -198,7 +202,7 @@ pub async fn probe_loop(
         } else {
             settings.interval
         };
-        let wait = jittered(base, &mut rand::rng());
+        let wait = jittered(base, &mut rand::rng()).saturating_sub(started.elapsed());
         tokio::select! {
             () = time::sleep(wait) => {}
             changed = down.changed() => {

@@ -278,6 +278,24 @@ fn provider() -> Arc<CryptoProvider> {
 }
 
 fn prepare_tls(options: &TlsOptions) -> Result<PreparedTls, ProbeSetupError> {
+    let config = client_config(options)?;
+    let server_name = options
+        .server_name
+        .as_deref()
+        .map(|name| {
+            ServerName::try_from(name.to_string())
+                .map_err(|error| setup_error("server-name", format!("{name:?}: {error}")))
+        })
+        .transpose()?;
+    Ok(PreparedTls {
+        connector: TlsConnector::from(config),
+        server_name,
+    })
+}
+
+/// The TLS client configuration of a probe: the CA to verify against (or
+/// none), and the client certificate. Also used by the test agents.
+pub fn client_config(options: &TlsOptions) -> Result<Arc<ClientConfig>, ProbeSetupError> {
     let provider = provider();
     let builder = ClientConfig::builder_with_provider(Arc::clone(&provider))
         .with_safe_default_protocol_versions()
@@ -327,18 +345,7 @@ fn prepare_tls(options: &TlsOptions) -> Result<PreparedTls, ProbeSetupError> {
         (Some(_), None) => return Err(setup_error("key", "a client certificate needs its key")),
         (None, Some(_)) => return Err(setup_error("cert", "a client key needs its certificate")),
     };
-    let server_name = options
-        .server_name
-        .as_deref()
-        .map(|name| {
-            ServerName::try_from(name.to_string())
-                .map_err(|error| setup_error("server-name", format!("{name:?}: {error}")))
-        })
-        .transpose()?;
-    Ok(PreparedTls {
-        connector: TlsConnector::from(Arc::new(config)),
-        server_name,
-    })
+    Ok(Arc::new(config))
 }
 
 /// Accepts any server certificate but still checks the handshake

@@ -2,7 +2,9 @@
 //!
 //! Everything here cleans up after itself in `Drop`, also when a test
 //! panics: child cgroups, daemons (killed by the PID we started), pins.
-//! Traffic goes to loopback only.
+//! Traffic goes to loopback, or to the namespaces of a [`cluster`].
+
+pub mod cluster;
 
 use std::{
     collections::BTreeMap,
@@ -482,6 +484,22 @@ impl Daemon {
     /// Starts the same command again (after a kill).
     pub fn restart(&mut self) {
         self.kill();
+        self.spawn();
+    }
+
+    /// Stops the daemon with SIGTERM (the data plane stays) and starts it
+    /// again with other `run` flags on the same pins.
+    pub fn restart_with(&mut self, args: &[String]) {
+        if self.child.is_some() {
+            self.signal(libc::SIGTERM);
+            self.wait_exit(Duration::from_secs(5))
+                .expect("daemon exits on SIGTERM");
+        }
+        let mut all_args = vec!["run".to_string()];
+        all_args.extend(args.iter().cloned());
+        all_args.push("--pin-path".into());
+        all_args.push(self.pin_path.display().to_string());
+        self.args = all_args;
         self.spawn();
     }
 

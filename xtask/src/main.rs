@@ -91,7 +91,11 @@ fn build_all() -> Result<()> {
 }
 
 /// Debian packages the tests use, with a command that shows each is there.
-const TEST_PACKAGES: &[(&str, &str)] = &[("bpftool", "bpftool"), ("iproute2", "ip")];
+const TEST_PACKAGES: &[(&str, &str)] = &[
+    ("bpftool", "bpftool"),
+    ("iproute2", "ip"),
+    ("iptables", "iptables"),
+];
 
 fn test(cargo_args: &[String]) -> Result<()> {
     if !is_root() {
@@ -100,14 +104,22 @@ fn test(cargo_args: &[String]) -> Result<()> {
     toolchain::install_debian_packages(TEST_PACKAGES)?;
     build_all()?;
     let target = workspace_root().join("target/debug");
+    // The scenario suites append their figures here; printed at the end.
+    let figures = workspace_root().join("target/scenario-figures.txt");
+    let _ = std::fs::remove_file(&figures);
     println!("xtask: running every test (unit, then privileged integration tests)");
     run_checked(
         cargo()
             .args(["test", "--workspace"])
             .args(cargo_args)
             .env("SOCKLB_BIN", target.join("socklb"))
-            .env("LBCLIENT_BIN", target.join("lbclient")),
-    )
+            .env("LBCLIENT_BIN", target.join("lbclient"))
+            .env("SOCKLB_FIGURES", &figures),
+    )?;
+    if let Ok(text) = std::fs::read_to_string(&figures) {
+        println!("xtask: scenario figures\n{text}");
+    }
+    Ok(())
 }
 
 pub fn is_root() -> bool {

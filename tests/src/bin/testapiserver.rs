@@ -1,0 +1,123 @@
+//! A small stand-in for a Kubernetes apiserver or k3s supervisor, for the
+//! scenario suites: TLS with a self-signed certificate, `/readyz` and
+//! `/ping` answer 200, `/cpu` burns about 50 ms of CPU first (like the
+//! node-password scrypt check of k3s), anything else 404. Each answer
+//! carries `x-server: NAME` and closes the connection.
+//!
+//! With `--hang`, it accepts TCP connections and never says a word: the
+//! server that 318 rke2 agents were stuck on.
+//!
+//! Usage: testapiserver --listen ADDR:PORT --name NAME [--hang]
+
+use std::{
+    io::{Read, Write},
+    net::{SocketAddr, TcpListener, TcpStream},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use rustls::{ServerConfig, ServerConnection, StreamOwned};
+use rustls_pki_types::PrivateKeyDer;
+
+/// CPU time one `/cpu` request costs.
+const CPU_COST: Duration = Duration::from_millis(50);
+
+fn server_config(ip: std::net::IpAddr) -> ServerConfig {
+    let key = rcgen::KeyPair::generate().expect("key");
+    let params = rcgen::CertificateParams::new(vec![ip.to_string()]).expect("params");
+    let certificate = params.self_signed(&key).expect("certificate");
+    ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .expect("protocol versions")
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![certificate.der().clone()],
+            PrivateKeyDer::try_from(key.serialize_der()).expect("key der"),
+        )
+        .expect("server config")
+}
+
+/// Busy work for `CPU_COST` of wall time on this thread.
+fn burn_cpu() -> u64 {
+    let started = Instant::now();
+    let mut value: u64 = 0x9e37_79b9_7f4a_7c15;
+    while started.elapsed() < CPU_COST {
+        for _ in 0..10_000 {
+            value = value.rotate_left(7) ^ value.wrapping_mul(0x2545_f491_4f6c_dd1d);
+        }
+    }
+    value
+}
+
+fn serve(stream: TcpStream, config: Arc<ServerConfig>, name: &str) {
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
+    let Ok(connection) = ServerConnection::new(config) else {
+        return;
+    };
+    let mut tls = StreamOwned::new(connection, stream);
+    let mut request = Vec::new();
+    let mut buffer = [0u8; 2048];
+    while !request.windows(4).any(|window| window == b"\r\n\r\n") {
+        match tls.read(&mut buffer) {
+            Ok(0) | Err(_) => return,
+            Ok(read) => request.extend_from_slice(&buffer[..read]),
+        }
+        if request.len() > 16 * 1024 {
+            return;
+        }
+    }
+    let line = String::from_utf8_lossy(&request);
+    let path = line.split_whitespace().nth(1).unwrap_or("/");
+    let (status, body) = match path {
+        "/readyz" => ("200 OK", "ok".to_string()),
+        "/ping" => ("200 OK", "pong".to_string()),
+        "/cpu" => ("200 OK", format!("{:x}", burn_cpu())),
+        _ => ("404 Not Found", "not found".to_string()),
+    };
+    let answer = format!(
+        "HTTP/1.1 {status}\r\nx-server: {name}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let _ = tls.write_all(answer.as_bytes());
+    let _ = tls.flush();
+    tls.conn.send_close_notify();
+    let _ = tls.flush();
+}
+
+fn main() {
+    let mut listen: Option<SocketAddr> = None;
+    let mut name = String::from("server");
+    let mut hang = false;
+    let mut words = std::env::args().skip(1);
+    while let Some(flag) = words.next() {
+        match flag.as_str() {
+            "--listen" => listen = words.next().and_then(|text| text.parse().ok()),
+            "--name" => name = words.next().unwrap_or_default(),
+            "--hang" => hang = true,
+            other => {
+                eprintln!("testapiserver: unknown argument {other}");
+                std::process::exit(2);
+            }
+        }
+    }
+    let Some(listen) = listen else {
+        eprintln!("testapiserver: --listen ADDR:PORT is required");
+        std::process::exit(2);
+    };
+    let listener = TcpListener::bind(listen).unwrap_or_else(|error| {
+        eprintln!("testapiserver: listening on {listen}: {error}");
+        std::process::exit(1);
+    });
+    let config = Arc::new(server_config(listen.ip()));
+    let mut held = Vec::new();
+    for stream in listener.incoming().flatten() {
+        if hang {
+            // Accepted, and never answered.
+            held.push(stream);
+            continue;
+        }
+        let config = Arc::clone(&config);
+        let name = name.clone();
+        std::thread::spawn(move || serve(stream, config, &name));
+    }
+}

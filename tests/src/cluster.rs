@@ -1,6 +1,9 @@
-//! A test cluster on one machine: "server" network namespaces joined to the
-//! root namespace by veth pairs, with addresses in 198.18.0.0/15, each
-//! running a test apiserver. Everything is removed on drop.
+//! A test cluster on one machine: "server" network namespaces on one
+//! bridge (inside a "switch" namespace of its own, so the host's bridges
+//! and forwarding are never touched), with the root namespace on the same
+//! bridge. Addresses are in 198.18.0.0/15: 198.18.ID.1 for the root
+//! namespace, .2, .3, … for the servers, which can also reach each other
+//! (an etcd cluster needs that). Everything is removed on drop.
 
 use std::{
     net::{SocketAddr, TcpStream},
@@ -43,6 +46,27 @@ pub struct Server {
 }
 
 impl Server {
+    /// The server's IP address.
+    pub fn ip(&self) -> std::net::IpAddr {
+        self.addr.ip()
+    }
+
+    /// Starts any program in the server's namespace in place of the test
+    /// apiserver (killed by PID like it); its output goes to `log`.
+    pub fn spawn_program(&mut self, program: &str, args: &[String], log: &std::path::Path) {
+        self.kill();
+        let log = std::fs::File::create(log).expect("server log");
+        let child = Command::new("ip")
+            .args(["netns", "exec", &self.netns, program])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|error| panic!("starting {program} in {}: {error}", self.netns));
+        self.process = Some(child);
+    }
+
     fn exec(&self, args: &[&str]) {
         let mut all = vec!["netns", "exec", self.netns.as_str()];
         all.extend_from_slice(args);
@@ -129,38 +153,106 @@ impl Drop for Server {
 pub struct Cluster {
     pub servers: Vec<Server>,
     id: u32,
+    tag: String,
+    switch: String,
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        // Servers first (they are dropped after this body otherwise).
+        self.servers.clear();
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.switch])
+            .status();
+    }
 }
 
 impl Cluster {
     /// `count` server namespaces, each running a test apiserver.
     pub fn new(count: usize) -> Self {
-        crate::require_root();
-        let id = CLUSTERS.fetch_add(1, Ordering::Relaxed);
-        assert!(id < 60, "too many clusters in one test process");
-        let mut cluster = Self {
-            servers: Vec::new(),
-            id,
-        };
+        let mut cluster = Self::without_servers();
         for _ in 0..count {
-            cluster.add_server();
+            let index = cluster.add_namespace();
+            cluster.servers[index].start();
         }
         cluster
     }
 
+    /// The switch and the root namespace's port on it, and no server yet.
+    pub fn without_servers() -> Self {
+        crate::require_root();
+        let id = CLUSTERS.fetch_add(1, Ordering::Relaxed);
+        assert!(id < 200, "too many clusters in one test process");
+        let tag = format!("{}x{id}", std::process::id() % 100_000);
+        let switch = format!("socklb-{tag}-sw");
+        let cluster = Self {
+            servers: Vec::new(),
+            id,
+            tag,
+            switch,
+        };
+        run("ip", &["netns", "add", &cluster.switch]);
+        cluster.in_switch(&["ip", "link", "add", "br0", "type", "bridge"]);
+        cluster.in_switch(&["ip", "link", "set", "br0", "up"]);
+        let (root_if, port_if) = (format!("sr{}", cluster.tag), format!("sp{}", cluster.tag));
+        run(
+            "ip",
+            &[
+                "link", "add", &root_if, "type", "veth", "peer", "name", &port_if,
+            ],
+        );
+        cluster.plug(&port_if);
+        run(
+            "ip",
+            &[
+                "addr",
+                "add",
+                &format!("{}/24", cluster.ip(1)),
+                "dev",
+                &root_if,
+            ],
+        );
+        run("ip", &["link", "set", &root_if, "up"]);
+        cluster
+    }
+
+    fn in_switch(&self, args: &[&str]) {
+        let mut all = vec!["netns", "exec", self.switch.as_str()];
+        all.extend_from_slice(args);
+        run("ip", &all);
+    }
+
+    /// Moves a veth end into the switch namespace and onto its bridge.
+    fn plug(&self, interface: &str) {
+        run("ip", &["link", "set", interface, "netns", &self.switch]);
+        self.in_switch(&["ip", "link", "set", interface, "master", "br0"]);
+        self.in_switch(&["ip", "link", "set", interface, "up"]);
+    }
+
+    /// Host `host` of this cluster's /24 (198.18.0.0/15 is for tests).
+    fn ip(&self, host: u32) -> String {
+        format!("198.{}.{}.{host}", 18 + self.id / 256, self.id % 256)
+    }
+
     /// Adds one more server namespace and starts its apiserver.
     pub fn add_server(&mut self) -> usize {
+        let index = self.add_namespace();
+        self.servers[index].start();
+        index
+    }
+
+    /// Adds one more server namespace, with nothing running in it.
+    pub fn add_namespace(&mut self) -> usize {
         let index = self.servers.len();
-        assert!(index < 4, "at most four servers per cluster");
-        let tag = format!("{}{}{index}", std::process::id() % 10_000, self.id);
-        let netns = format!("socklb-{tag}");
-        let (host_if, ns_if) = (format!("slh{tag}"), format!("sln{tag}"));
-        // 198.18.0.0/15 is for benchmarks and tests (RFC 2544).
-        let subnet = self.id * 4 + index as u32;
-        let (third, fourth) = (subnet / 64, (subnet % 64) * 4);
-        let host_ip = format!("198.18.{third}.{}", fourth + 1);
-        let server_ip = format!("198.18.{third}.{}", fourth + 2);
+        assert!(index < 8, "at most eight servers per cluster");
+        let netns = format!("socklb-{}-s{index}", self.tag);
+        let (server_if, port_if) = (
+            format!("ss{}{index}", self.tag),
+            format!("sq{}{index}", self.tag),
+        );
+        let server_ip = self.ip(index as u32 + 2);
         run("ip", &["netns", "add", &netns]);
-        let mut server = Server {
+        let server = Server {
             name: format!("s{index}"),
             netns: netns.clone(),
             addr: format!("{server_ip}:{SERVER_PORT}")
@@ -172,26 +264,21 @@ impl Cluster {
         run(
             "ip",
             &[
-                "link", "add", &host_if, "type", "veth", "peer", "name", &ns_if,
+                "link", "add", &server_if, "type", "veth", "peer", "name", &port_if,
             ],
         );
-        run("ip", &["link", "set", &ns_if, "netns", &netns]);
-        run(
-            "ip",
-            &["addr", "add", &format!("{host_ip}/30"), "dev", &host_if],
-        );
-        run("ip", &["link", "set", &host_if, "up"]);
+        self.plug(&port_if);
+        run("ip", &["link", "set", &server_if, "netns", &netns]);
         server.exec(&[
             "ip",
             "addr",
             "add",
-            &format!("{server_ip}/30"),
+            &format!("{server_ip}/24"),
             "dev",
-            &ns_if,
+            &server_if,
         ]);
-        server.exec(&["ip", "link", "set", &ns_if, "up"]);
+        server.exec(&["ip", "link", "set", &server_if, "up"]);
         server.exec(&["ip", "link", "set", "lo", "up"]);
-        server.start();
         self.servers.push(server);
         index
     }

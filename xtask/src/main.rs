@@ -95,6 +95,8 @@ const TEST_PACKAGES: &[(&str, &str)] = &[
     ("bpftool", "bpftool"),
     ("iproute2", "ip"),
     ("iptables", "iptables"),
+    ("etcd-server", "etcd"),
+    ("etcd-client", "etcdctl"),
 ];
 
 fn test(cargo_args: &[String]) -> Result<()> {

@@ -421,6 +421,8 @@ mod tests {
     struct TestPki {
         dir: PathBuf,
         server: ServerConfig,
+        /// The same server, demanding a client certificate from the CA.
+        server_with_client_auth: ServerConfig,
     }
 
     impl TestPki {
@@ -446,16 +448,40 @@ mod tests {
                 params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
                 params.self_signed(&other_key).unwrap().pem()
             });
-            let server = ServerConfig::builder_with_provider(provider())
-                .with_safe_default_protocol_versions()
+            let client_key = rcgen::KeyPair::generate().unwrap();
+            let client = rcgen::CertificateParams::new(vec!["agent".to_string()])
                 .unwrap()
-                .with_no_client_auth()
-                .with_single_cert(
-                    vec![leaf.der().clone()],
-                    PrivateKeyDer::try_from(leaf_key.serialize_der()).unwrap(),
-                )
+                .signed_by(&client_key, &ca, &ca_key)
                 .unwrap();
-            Self { dir, server }
+            write("client.pem", client.pem());
+            write("client-key.pem", client_key.serialize_pem());
+            let builder = ServerConfig::builder_with_provider(provider())
+                .with_safe_default_protocol_versions()
+                .unwrap();
+            let chain = vec![leaf.der().clone()];
+            let key = || PrivateKeyDer::try_from(leaf_key.serialize_der()).unwrap();
+            let server = builder
+                .clone()
+                .with_no_client_auth()
+                .with_single_cert(chain.clone(), key())
+                .unwrap();
+            let mut roots = RootCertStore::empty();
+            roots.add(ca.der().clone()).unwrap();
+            let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
+                Arc::new(roots),
+                provider(),
+            )
+            .build()
+            .unwrap();
+            let server_with_client_auth = builder
+                .with_client_cert_verifier(verifier)
+                .with_single_cert(chain, key())
+                .unwrap();
+            Self {
+                dir,
+                server,
+                server_with_client_auth,
+            }
         }
 
         fn path(&self, name: &str) -> Option<PathBuf> {
@@ -634,6 +660,33 @@ mod tests {
                 .await,
             Err(ProbeFailure::Tls(_))
         ));
+    }
+
+    #[tokio::test]
+    async fn a_client_certificate_is_presented_when_configured() {
+        let pki = TestPki::new("client-auth");
+        let addr = https_server(pki.server_with_client_auth.clone()).await;
+        let without = TlsOptions {
+            ca: pki.path("ca.pem"),
+            ..TlsOptions::default()
+        };
+        assert!(
+            https("/readyz", &[200], without)
+                .probe(addr, SECOND)
+                .await
+                .is_err(),
+            "a server that demands a client certificate refuses the probe without one"
+        );
+        let with = TlsOptions {
+            ca: pki.path("ca.pem"),
+            cert: pki.path("client.pem"),
+            key: pki.path("client-key.pem"),
+            ..TlsOptions::default()
+        };
+        assert_eq!(
+            https("/readyz", &[200], with).probe(addr, SECOND).await,
+            Ok(())
+        );
     }
 
     #[test]

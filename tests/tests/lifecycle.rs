@@ -458,3 +458,81 @@ fn table_swaps_under_churn_never_show_a_half_written_table() {
     );
     assert!(counts.len() == 3, "connects saw both tables: {counts:?}");
 }
+
+#[test]
+fn kernel_logs_are_forwarded_when_asked_for() {
+    require_root();
+    let cgroup = Cgroup::new("bpflog");
+    let backend = Backend::start("b0", "127.0.0.2");
+    let vip = vip();
+    let mut daemon = Daemon::start(
+        "bpflog",
+        &service_args(
+            &cgroup.path,
+            &[vip],
+            &[backend.addr],
+            &["--bpf-log", "debug"],
+        ),
+    );
+    daemon.wait_health(&[backend.addr], true, Duration::from_secs(10));
+    let attempts = ClientRun::new(vip, Some(&cgroup.path), 3).run();
+    assert!(attempts.iter().all(|a| a.ok), "{attempts:?}");
+    assert!(
+        daemon.log_shows("socklb: table 0 slot", Duration::from_secs(3)),
+        "the connect program's debug record reaches the daemon's log:\n{}",
+        daemon.log()
+    );
+}
+
+#[test]
+fn a_tampered_service_entry_is_restored_with_a_warning() {
+    require_root();
+    let cgroup = Cgroup::new("tamper");
+    let backend = Backend::start("b0", "127.0.0.2");
+    let vip = vip();
+    let mut daemon = Daemon::start(
+        "tamper",
+        &service_args(&cgroup.path, &[vip], &[backend.addr], &[]),
+    );
+    daemon.wait_health(&[backend.addr], true, Duration::from_secs(10));
+    // Another agent deletes our VIP entry behind our back.
+    let services = daemon.pin_path.join("SERVICES").display().to_string();
+    let entries = bpftool_json(&["map", "dump", "pinned", &services]);
+    let key: Vec<String> = entries[0]["key"]
+        .as_array()
+        .map(|bytes| {
+            bytes
+                .iter()
+                .filter_map(|byte| byte.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default();
+    assert_eq!(key.len(), 20, "raw key bytes from bpftool: {entries}");
+    let mut delete = vec!["map", "delete", "pinned", services.as_str(), "key", "hex"];
+    let hex: Vec<String> = key
+        .iter()
+        .map(|byte| byte.trim_start_matches("0x").to_string())
+        .collect();
+    delete.extend(hex.iter().map(String::as_str));
+    let output = bpftool(&delete);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(
+        daemon.log_shows(
+            "was changed or removed by someone else; restoring it",
+            Duration::from_secs(8)
+        ),
+        "{}",
+        daemon.log()
+    );
+    let attempts = ClientRun::new(vip, Some(&cgroup.path), 3).run();
+    assert!(
+        attempts
+            .iter()
+            .all(|a| a.served_by.as_deref() == Some("b0")),
+        "restored: {attempts:?}"
+    );
+}

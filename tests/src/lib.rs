@@ -98,22 +98,16 @@ pub struct Backend {
 impl Backend {
     /// Listens on `ip` and a free port.
     pub fn start(name: &str, ip: &str) -> Self {
-        let listener = TcpListener::bind((ip, 0))
-            .unwrap_or_else(|error| panic!("backend {name} binding {ip}: {error}"));
-        let addr = listener.local_addr().expect("bound address");
-        let mut backend = Self {
-            name: name.to_string(),
-            addr,
-            running: None,
-            held: None,
-        };
-        backend.serve(listener);
-        backend
+        Self::bind(name, ip, false)
     }
 
     /// Like `start`, but keeps every accepted connection open after sending
     /// the name, until the backend is dropped.
     pub fn start_holding(name: &str, ip: &str) -> Self {
+        Self::bind(name, ip, true)
+    }
+
+    fn bind(name: &str, ip: &str, hold: bool) -> Self {
         let listener = TcpListener::bind((ip, 0))
             .unwrap_or_else(|error| panic!("backend {name} binding {ip}: {error}"));
         let addr = listener.local_addr().expect("bound address");
@@ -121,7 +115,7 @@ impl Backend {
             name: name.to_string(),
             addr,
             running: None,
-            held: Some(Arc::default()),
+            held: hold.then(Arc::default),
         };
         backend.serve(listener);
         backend
@@ -194,6 +188,20 @@ impl Backend {
 impl Drop for Backend {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+/// Prints one line of test figures and appends it to `$SOCKLB_FIGURES`
+/// (cargo xtask test collects them there).
+pub fn record_figures(line: &str) {
+    eprintln!("{line}");
+    if let Some(path) = std::env::var_os("SOCKLB_FIGURES")
+        && let Ok(mut file) = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+    {
+        let _ = writeln!(file, "{line}");
     }
 }
 

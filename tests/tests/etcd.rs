@@ -3,29 +3,18 @@
 //! client in the agent cgroup.
 
 use std::{
-    io::Write,
     net::SocketAddr,
     path::{Path, PathBuf},
     process::{Command, Output, Stdio},
     time::{Duration, Instant},
 };
 
-use socklb_tests::{Cgroup, Daemon, cluster::Cluster, free_port, service_args, unique_name};
+use socklb_tests::{
+    Cgroup, Daemon, cluster::Cluster, free_port, record_figures, service_args, unique_name,
+};
 
 const CLIENT_PORT: u16 = 2379;
 const PEER_PORT: u16 = 2380;
-
-fn figures(line: &str) {
-    eprintln!("{line}");
-    if let Some(path) = std::env::var_os("SOCKLB_FIGURES")
-        && let Ok(mut file) = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-    {
-        let _ = writeln!(file, "{line}");
-    }
-}
 
 fn start_member(cluster: &mut Cluster, index: usize, initial: &str, data: &Path) {
     let server = &mut cluster.servers[index];
@@ -197,7 +186,7 @@ fn etcd_behind_the_vip_keeps_serving_when_the_leader_dies() {
     let (get_tries, get_output) = attempts(2, || get("after"));
     assert_eq!(text(&get_output), "2", "get after the leader died");
     let out = daemon.wait_health(&[members[leader]], false, Duration::from_secs(10));
-    figures(&format!(
+    record_figures(&format!(
         "etcd: leader m{leader} killed; put ok after {put_tries} attempt(s), {} ms; get ok after {get_tries} attempt(s); socklb showed it out {} ms after the put",
         put_took.as_millis(),
         out.as_millis()
@@ -232,7 +221,7 @@ fn etcd_behind_the_vip_keeps_serving_when_the_leader_dies() {
         Some(&cgroup.path),
         &["get", "before", "--print-value-only", "--consistency=s"],
     );
-    figures(&format!(
+    record_figures(&format!(
         "etcd: two members killed (m{survivor} left); put {} after {tries} attempt(s) in {} ms ({}); socklb then saw {healthy} healthy backend(s) and failed open; a serializable get through the VIP {}",
         if lost.status.success() {
             "succeeded"

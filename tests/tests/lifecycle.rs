@@ -85,6 +85,32 @@ fn dump_small_maps(pin_path: &Path) -> String {
         .collect()
 }
 
+/// A daemon for one VIP and one backend ("b0" on 127.0.0.2), healthy.
+struct OneBackend {
+    cgroup: Cgroup,
+    backend: Backend,
+    vip: SocketAddr,
+    daemon: Daemon,
+}
+
+fn one_backend(label: &str, extra: &[&str]) -> OneBackend {
+    require_root();
+    let cgroup = Cgroup::new(label);
+    let backend = Backend::start("b0", "127.0.0.2");
+    let vip = vip();
+    let mut daemon = Daemon::start(
+        label,
+        &service_args(&cgroup.path, &[vip], &[backend.addr], extra),
+    );
+    daemon.wait_health(&[backend.addr], true, Duration::from_secs(10));
+    OneBackend {
+        cgroup,
+        backend,
+        vip,
+        daemon,
+    }
+}
+
 #[test]
 fn sigkill_and_restart_while_a_client_connects_fails_no_connect() {
     require_root();
@@ -123,15 +149,12 @@ fn sigkill_and_restart_while_a_client_connects_fails_no_connect() {
 
 #[test]
 fn sigterm_leaves_the_data_plane_and_cleanup_on_exit_removes_it() {
-    require_root();
-    let cgroup = Cgroup::new("sigterm");
-    let backend = Backend::start("b0", "127.0.0.2");
-    let vip = vip();
-    let mut daemon = Daemon::start(
-        "sigterm",
-        &service_args(&cgroup.path, &[vip], &[backend.addr], &[]),
-    );
-    daemon.wait_health(&[backend.addr], true, Duration::from_secs(10));
+    let OneBackend {
+        cgroup,
+        backend,
+        vip,
+        mut daemon,
+    } = one_backend("sigterm", &[]);
     daemon.signal(libc::SIGTERM);
     let status = daemon
         .wait_exit(Duration::from_secs(5))
@@ -263,14 +286,8 @@ fn uninstall_removes_our_pins_links_and_programs_and_nothing_else() {
 
 #[test]
 fn bpftool_map_dump_prints_named_fields() {
-    require_root();
-    let cgroup = Cgroup::new("btf");
-    let backend = Backend::start("b0", "127.0.0.2");
-    let mut daemon = Daemon::start(
-        "btf",
-        &service_args(&cgroup.path, &[vip()], &[backend.addr], &[]),
-    );
-    daemon.wait_health(&[backend.addr], true, Duration::from_secs(10));
+    let setup = one_backend("btf", &[]);
+    let daemon = &setup.daemon;
     let dump = dump_small_maps(&daemon.pin_path);
     for field in [
         "addr_be",
@@ -290,15 +307,12 @@ fn bpftool_map_dump_prints_named_fields() {
 
 #[test]
 fn a_bad_config_leaves_the_kernel_untouched() {
-    require_root();
-    let cgroup = Cgroup::new("badconfig");
-    let backend = Backend::start("b0", "127.0.0.2");
-    let vip = vip();
-    let mut daemon = Daemon::start(
-        "badconfig",
-        &service_args(&cgroup.path, &[vip], &[backend.addr], &[]),
-    );
-    daemon.wait_health(&[backend.addr], true, Duration::from_secs(10));
+    let OneBackend {
+        cgroup,
+        backend: _backend,
+        vip,
+        mut daemon,
+    } = one_backend("badconfig", &[]);
     daemon.kill();
     let pin = daemon.pin_path.display().to_string();
     let before = dump_small_maps(&daemon.pin_path);
@@ -461,20 +475,12 @@ fn table_swaps_under_churn_never_show_a_half_written_table() {
 
 #[test]
 fn kernel_logs_are_forwarded_when_asked_for() {
-    require_root();
-    let cgroup = Cgroup::new("bpflog");
-    let backend = Backend::start("b0", "127.0.0.2");
-    let vip = vip();
-    let mut daemon = Daemon::start(
-        "bpflog",
-        &service_args(
-            &cgroup.path,
-            &[vip],
-            &[backend.addr],
-            &["--bpf-log", "debug"],
-        ),
-    );
-    daemon.wait_health(&[backend.addr], true, Duration::from_secs(10));
+    let OneBackend {
+        cgroup,
+        backend: _backend,
+        vip,
+        daemon,
+    } = one_backend("bpflog", &["--bpf-log", "debug"]);
     let attempts = ClientRun::new(vip, Some(&cgroup.path), 3).run();
     assert!(attempts.iter().all(|a| a.ok), "{attempts:?}");
     assert!(
@@ -486,15 +492,12 @@ fn kernel_logs_are_forwarded_when_asked_for() {
 
 #[test]
 fn a_tampered_service_entry_is_restored_with_a_warning() {
-    require_root();
-    let cgroup = Cgroup::new("tamper");
-    let backend = Backend::start("b0", "127.0.0.2");
-    let vip = vip();
-    let mut daemon = Daemon::start(
-        "tamper",
-        &service_args(&cgroup.path, &[vip], &[backend.addr], &[]),
-    );
-    daemon.wait_health(&[backend.addr], true, Duration::from_secs(10));
+    let OneBackend {
+        cgroup,
+        backend: _backend,
+        vip,
+        daemon,
+    } = one_backend("tamper", &[]);
     // Another agent deletes our VIP entry behind our back.
     let services = daemon.pin_path.join("SERVICES").display().to_string();
     let entries = bpftool_json(&["map", "dump", "pinned", &services]);

@@ -6,7 +6,6 @@
 //! requests were spread) and appends them to `$SOCKLB_FIGURES` if set.
 
 use std::{
-    io::Write,
     net::SocketAddr,
     time::{Duration, Instant},
 };
@@ -14,7 +13,7 @@ use std::{
 use socklb_tests::{
     Cgroup, Daemon,
     cluster::{AgentRequest, AgentRun, Cluster, finish_all, served},
-    free_port, service_args,
+    free_port, record_figures, service_args,
 };
 
 const INTERVAL_MS: u64 = 200;
@@ -126,15 +125,17 @@ fn report(scenario: &str, detect: &[(&str, Duration)], requests: &[AgentRequest]
         requests.len(),
         served(requests)
     );
-    eprintln!("{line}");
-    if let Some(path) = std::env::var_os("SOCKLB_FIGURES")
-        && let Ok(mut file) = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(path)
-    {
-        let _ = writeln!(file, "{line}");
-    }
+    record_figures(&line);
+}
+
+/// The longest time any failed attempt took, in ms.
+fn longest_failed_attempt(requests: &[AgentRequest]) -> u64 {
+    requests
+        .iter()
+        .flat_map(|request| request.failed_ms.iter())
+        .max()
+        .copied()
+        .unwrap_or(0)
 }
 
 fn failed(requests: &[AgentRequest]) -> usize {
@@ -295,12 +296,7 @@ fn scenario_6_a_server_that_accepts_and_hangs() {
     );
     // An attempt stuck on the hung server ends when socklb closes it, not
     // at the agent's own 2 s timeout.
-    let longest = requests
-        .iter()
-        .flat_map(|request| request.failed_ms.iter())
-        .max()
-        .copied()
-        .unwrap_or(0);
+    let longest = longest_failed_attempt(&requests);
     assert!(
         Duration::from_millis(longest) <= detect_bound() + Duration::from_millis(300),
         "an attempt waited {longest} ms on the hung server"
@@ -354,12 +350,7 @@ fn scenario_8_a_herd_of_300_while_one_server_hangs() {
         "every client finishes: {:?}",
         served(&requests)
     );
-    let longest = requests
-        .iter()
-        .flat_map(|request| request.failed_ms.iter())
-        .max()
-        .copied()
-        .unwrap_or(0);
+    let longest = longest_failed_attempt(&requests);
     assert!(
         Duration::from_millis(longest) <= detect_bound() + Duration::from_millis(500),
         "no client waits on the hung server longer than the detection time: {longest} ms"

@@ -1,7 +1,8 @@
-//! Developer verbs: `cargo xtask build-ebpf | build | test | demo`.
+//! Developer verbs: `cargo xtask build-ebpf | build | test | demo | bench`.
 //!
 //! Each verb finds or installs what it needs and says what it did.
 
+mod bench;
 mod demo;
 mod toolchain;
 
@@ -36,6 +37,9 @@ enum Verb {
     /// Run socklb on three demo backends in a child cgroup, show the spread,
     /// take one backend down and up again, and clean up (needs root).
     Demo,
+    /// Measure socklb against a direct connection, HAProxy and nginx on
+    /// loopback, and write bench/results/REPORT.md with charts (needs root).
+    Bench,
 }
 
 fn main() -> Result<()> {
@@ -47,6 +51,7 @@ fn main() -> Result<()> {
             build_all()?;
             demo::run(&workspace_root())
         }
+        Verb::Bench => bench::run(&workspace_root()),
     }
 }
 

@@ -1,0 +1,495 @@
+//! `cargo xtask bench`: socklb against a direct connection, HAProxy and an
+//! nginx stream proxy, on the same loopback backends in one run.
+//!
+//! Each figure is the median of [`REPETITIONS`] runs, with their min and
+//! max. The routes take turns within each repetition, so that a slow moment
+//! of this shared machine falls on all of them alike, and every ratio
+//! compares figures of the same run. A benchmark is never a timed test: the
+//! issue's targets are reported as met or missed, and nothing fails on them.
+
+mod charts;
+mod measures;
+mod micro;
+mod process;
+mod report;
+mod setup;
+mod tools;
+
+use std::{
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Result, bail};
+
+use self::{
+    measures::{HookCounters, HookPrograms, WrkLoad},
+    process::{ScratchDir, check_interrupted},
+    setup::Lab,
+};
+
+/// Runs of each measure on each route.
+pub const REPETITIONS: usize = 5;
+/// Seconds of each wrk, sockperf and iperf3 run.
+const RUN_SECONDS: u32 = 3;
+/// The CPU that the single-flow measures (one connection) run on: client,
+/// backends and proxies alike.
+const SINGLE_FLOW_CPU: usize = 0;
+
+/// One way from a client to the backends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Route {
+    /// The client connects to the backend itself.
+    Direct,
+    /// The client connects to a VIP; socklb's connect() hook rewrites it.
+    Socklb,
+    Haproxy,
+    Nginx,
+}
+
+impl Route {
+    pub const ALL: [Route; 4] = [Route::Direct, Route::Socklb, Route::Haproxy, Route::Nginx];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Direct => "direct",
+            Self::Socklb => "socklb",
+            Self::Haproxy => "HAProxy",
+            Self::Nginx => "nginx",
+        }
+    }
+}
+
+/// What is measured, with its unit and direction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Measure {
+    NewConnections1,
+    NewConnections64,
+    KeepAlive64,
+    LatencyP50,
+    LatencyP99,
+    Throughput1,
+    Throughput4,
+    CpuPer10k,
+}
+
+impl Measure {
+    /// File name of its chart.
+    pub fn key(self) -> &'static str {
+        match self {
+            Self::NewConnections1 => "new_connections_c1",
+            Self::NewConnections64 => "new_connections_c64",
+            Self::KeepAlive64 => "keepalive_c64",
+            Self::LatencyP50 => "latency_p50",
+            Self::LatencyP99 => "latency_p99",
+            Self::Throughput1 => "throughput_p1",
+            Self::Throughput4 => "throughput_p4",
+            Self::CpuPer10k => "cpu_per_10k_requests",
+        }
+    }
+
+    pub fn title(self) -> &'static str {
+        match self {
+            Self::NewConnections1 => {
+                "New-connection request rate, 1 connection (wrk, Connection: close)"
+            }
+            Self::NewConnections64 => {
+                "New-connection request rate, 64 connections (wrk, Connection: close)"
+            }
+            Self::KeepAlive64 => "Keep-alive request rate, 64 connections (wrk)",
+            Self::LatencyP50 => "Request/response round trip p50 (sockperf ping-pong, TCP)",
+            Self::LatencyP99 => "Request/response round trip p99 (sockperf ping-pong, TCP)",
+            Self::Throughput1 => "Bulk throughput, 1 stream (iperf3)",
+            Self::Throughput4 => "Bulk throughput, 4 streams (iperf3 -P 4)",
+            Self::CpuPer10k => {
+                "CPU seconds per 10,000 new-connection requests, in the proxy or the hook"
+            }
+        }
+    }
+
+    pub fn unit(self) -> &'static str {
+        match self {
+            Self::NewConnections1 | Self::NewConnections64 | Self::KeepAlive64 => "requests/s",
+            Self::LatencyP50 | Self::LatencyP99 => "µs",
+            Self::Throughput1 | Self::Throughput4 => "Gbit/s",
+            Self::CpuPer10k => "CPU-s / 10k requests",
+        }
+    }
+
+    pub fn higher_is_better(self) -> bool {
+        !matches!(self, Self::LatencyP50 | Self::LatencyP99 | Self::CpuPer10k)
+    }
+}
+
+/// Median, min and max of some runs.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Summary {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+    pub runs: usize,
+}
+
+impl Summary {
+    pub fn of(values: &[f64]) -> Self {
+        let mut sorted = values.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        let runs = sorted.len();
+        let median = match runs {
+            0 => f64::NAN,
+            _ if runs % 2 == 1 => sorted[runs / 2],
+            _ => (sorted[runs / 2 - 1] + sorted[runs / 2]) / 2.0,
+        };
+        Self {
+            median,
+            min: sorted.first().copied().unwrap_or(f64::NAN),
+            max: sorted.last().copied().unwrap_or(f64::NAN),
+            runs,
+        }
+    }
+}
+
+/// Every route's runs of one measure.
+#[derive(Debug, Clone)]
+pub struct Series {
+    pub measure: Measure,
+    pub samples: Vec<(Route, Vec<f64>)>,
+}
+
+impl Series {
+    pub fn summary(&self, route: Route) -> Option<Summary> {
+        self.samples
+            .iter()
+            .find(|(candidate, values)| *candidate == route && !values.is_empty())
+            .map(|(_, values)| Summary::of(values))
+    }
+
+    /// The route's median over direct's.
+    pub fn ratio(&self, route: Route) -> Option<f64> {
+        Some(self.summary(route)?.median / self.summary(Route::Direct)?.median)
+    }
+}
+
+/// What socklb's hook cost, from the kernel's BPF statistics.
+#[derive(Debug, Clone)]
+pub struct HookCost {
+    pub ns_per_connect: Summary,
+    /// socklb's daemon CPU seconds per 10k requests in the same runs (it
+    /// only probes; it is not on the data path).
+    pub daemon_cpu_per_10k: Summary,
+}
+
+/// Everything the report shows.
+pub struct Results {
+    pub series: Vec<Series>,
+    pub hook: HookCost,
+    pub wrk_errors: Vec<(Route, u64, u64)>,
+    pub footprint: measures::Footprint,
+    /// The criterion figures, or why there are none.
+    pub micro: Result<Vec<micro::MicroFigure>, String>,
+    pub configs: Vec<(String, String)>,
+    pub tools: Vec<(String, String)>,
+    pub machine: Vec<(String, String)>,
+    pub elapsed: Duration,
+}
+
+pub fn run(root: &Path) -> Result<()> {
+    if !crate::is_root() {
+        bail!(
+            "cargo xtask bench loads eBPF programs, creates cgroups and sets a sysctl: run it as root"
+        );
+    }
+    let started = Instant::now();
+    process::install_interrupt_handler();
+    tools::install()?;
+    build(root)?;
+    // Before the lab starts: the compiler and criterion would otherwise
+    // share the CPUs with the measurements. A failure here is reported, and
+    // does not cost the rest of the run.
+    let micro = micro::run(&target_dir(root)).map_err(|error| format!("{error:#}"));
+    if let Err(error) = &micro {
+        eprintln!("bench: the criterion microbenchmarks failed: {error}");
+    }
+    let tools = tools::versions();
+    let machine = tools::machine();
+
+    let scratch = ScratchDir::new()?;
+    let (series, hook, wrk_errors, configs) = {
+        let mut lab = Lab::start(&scratch)?;
+        let mut bench = Bench {
+            lab: &mut lab,
+            scratch: &scratch.path,
+            wrk_errors: Route::ALL.iter().map(|route| (*route, 0, 0)).collect(),
+        };
+        let (series, hook) = bench.measure_all()?;
+        let wrk_errors = bench.wrk_errors.clone();
+        let configs = lab.configs.clone();
+        println!("bench: stopping socklb, the proxies and the backends");
+        (series, hook, wrk_errors, configs)
+    };
+    check_interrupted()?;
+    let vip_ports = [
+        socklb_tests::free_port(),
+        socklb_tests::free_port(),
+        socklb_tests::free_port(),
+    ];
+    let footprint =
+        measures::daemon_footprint(&scratch.path, vip_ports, socklb_tests::free_port())?;
+
+    let results = Results {
+        series,
+        hook,
+        wrk_errors,
+        footprint,
+        micro,
+        configs,
+        tools,
+        machine,
+        elapsed: started.elapsed(),
+    };
+    let out = root.join("bench/results");
+    report::write(&out, &results)?;
+    charts::draw_all(&out, &results.series)?;
+    report::print_summary(&results, &out);
+    Ok(())
+}
+
+fn target_dir(root: &Path) -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from)
+}
+
+/// The eBPF object, then socklb in release (its daemon's CPU and memory
+/// are measured; the connect() path is in the kernel either way).
+fn build(root: &Path) -> Result<()> {
+    crate::toolchain::build_ebpf()?;
+    println!("xtask: building socklb (release)");
+    crate::run_checked(crate::cargo().args([
+        "build",
+        "--release",
+        "--package",
+        "lb-userspace",
+        "--bin",
+        "socklb",
+    ]))?;
+    let binary = target_dir(root).join("release/socklb");
+    // SAFETY: set before any thread starts; socklb_tests reads it.
+    unsafe { std::env::set_var("SOCKLB_BIN", &binary) };
+    Ok(())
+}
+
+struct Bench<'a> {
+    lab: &'a mut Lab,
+    scratch: &'a Path,
+    /// (route, socket errors, non-2xx responses) summed over all wrk runs.
+    wrk_errors: Vec<(Route, u64, u64)>,
+}
+
+impl Bench<'_> {
+    fn measure_all(&mut self) -> Result<(Vec<Series>, HookCost)> {
+        let mut series = Vec::new();
+        for (measure, threads, connections, close) in [
+            (Measure::NewConnections1, 1, 1, true),
+            (Measure::NewConnections64, 2, 64, true),
+            (Measure::KeepAlive64, 2, 64, false),
+        ] {
+            // One connection is one flow of work: pinned, like the latency.
+            let single_flow = connections == 1;
+            let _pinned = single_flow.then(|| self.pin_servers()).transpose()?;
+            let load = WrkLoad {
+                threads,
+                connections,
+                seconds: RUN_SECONDS,
+                close,
+                cpu: single_flow.then_some(SINGLE_FLOW_CPU),
+            };
+            self.warm_up(load)?;
+            series.extend(self.take_turns(&Route::ALL, &[measure], |bench, route| {
+                Ok(vec![bench.wrk(route, load)?.per_second])
+            })?);
+        }
+        {
+            let _pinned = self.pin_servers()?;
+            series.extend(self.take_turns(
+                &Route::ALL,
+                &[Measure::LatencyP50, Measure::LatencyP99],
+                |bench, route| {
+                    let result = measures::sockperf(
+                        bench.lab.route(route),
+                        RUN_SECONDS,
+                        Some(SINGLE_FLOW_CPU),
+                        bench.scratch,
+                    )?;
+                    Ok(vec![result.p50_us, result.p99_us])
+                },
+            )?);
+        }
+        for (measure, streams) in [(Measure::Throughput1, 1), (Measure::Throughput4, 4)] {
+            series.extend(self.take_turns(&Route::ALL, &[measure], |bench, route| {
+                let bits =
+                    measures::iperf(bench.lab.route(route), streams, RUN_SECONDS, bench.scratch)?;
+                Ok(vec![bits / 1e9])
+            })?);
+        }
+        let (cpu, hook) = self.cpu_cost()?;
+        series.push(cpu);
+        Ok((series, hook))
+    }
+
+    /// Moves every backend and proxy thread onto SINGLE_FLOW_CPU until the
+    /// guard drops. With one request in flight, whether the scheduler puts
+    /// client and server on the same CPU (a wake-up of a few µs) or on
+    /// different ones (tens of µs on this VM) otherwise decides the result,
+    /// and it decides differently from run to run.
+    fn pin_servers(&self) -> Result<process::PinnedToCpu> {
+        let lab = &*self.lab;
+        let threads: Vec<i32> = lab
+            .backends
+            .iter()
+            .chain([&lab.haproxy, &lab.nginx_proxy])
+            .flat_map(process::Supervised::threads)
+            .collect();
+        process::PinnedToCpu::pin(&threads, SINGLE_FLOW_CPU)
+    }
+
+    /// One short run per route, so that the first measured run does not pay
+    /// for cold caches and a fresh accept queue.
+    fn warm_up(&mut self, load: WrkLoad) -> Result<()> {
+        for route in Route::ALL {
+            self.wrk(route, WrkLoad { seconds: 1, ..load })?;
+        }
+        Ok(())
+    }
+
+    fn wrk(&mut self, route: Route, load: WrkLoad) -> Result<measures::WrkRun> {
+        let run = measures::wrk(self.lab.route(route), load, self.scratch)?;
+        if let Some(entry) = self.wrk_errors.iter_mut().find(|entry| entry.0 == route) {
+            entry.1 += run.socket_errors;
+            entry.2 += run.non_2xx;
+        }
+        Ok(run)
+    }
+
+    /// Runs `one` REPETITIONS times on each route, the routes taking turns.
+    /// `one` returns one value per measure in `measures`.
+    fn take_turns(
+        &mut self,
+        routes: &[Route],
+        measures: &[Measure],
+        mut one: impl FnMut(&mut Self, Route) -> Result<Vec<f64>>,
+    ) -> Result<Vec<Series>> {
+        let mut series: Vec<Series> = measures
+            .iter()
+            .map(|measure| Series {
+                measure: *measure,
+                samples: routes.iter().map(|route| (*route, Vec::new())).collect(),
+            })
+            .collect();
+        let label: Vec<&str> = measures.iter().map(|measure| measure.key()).collect();
+        println!(
+            "bench: {} ({REPETITIONS} rounds of {})",
+            label.join(" + "),
+            routes
+                .iter()
+                .map(|route| route.name())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        for _ in 0..REPETITIONS {
+            for (index, route) in routes.iter().enumerate() {
+                check_interrupted()?;
+                let values = one(self, *route)?;
+                self.lab.ensure_running()?;
+                for (measured, value) in series.iter_mut().zip(values) {
+                    measured.samples[index].1.push(value);
+                }
+            }
+        }
+        for measured in &series {
+            let shown: Vec<String> = measured
+                .samples
+                .iter()
+                .map(|(route, values)| {
+                    format!(
+                        "{} {}",
+                        route.name(),
+                        report::number(Summary::of(values).median)
+                    )
+                })
+                .collect();
+            println!(
+                "bench:   {} median ({}): {}",
+                measured.measure.key(),
+                measured.measure.unit(),
+                shown.join(", ")
+            );
+        }
+        Ok(series)
+    }
+
+    /// CPU per 10k new-connection requests (wrk at 64 connections): HAProxy's
+    /// and nginx's from /proc, socklb's hook from the BPF statistics, which
+    /// are on only around socklb's runs. These runs are separate from the
+    /// rate runs, which ran with the statistics off.
+    fn cpu_cost(&mut self) -> Result<(Series, HookCost)> {
+        let load = WrkLoad {
+            threads: 2,
+            connections: 64,
+            seconds: RUN_SECONDS,
+            close: true,
+            cpu: None,
+        };
+        let programs = HookPrograms::of(&self.lab.daemon)?;
+        let mut ns_per_connect = Vec::new();
+        let mut daemon_cpu = Vec::new();
+        let routes = [Route::Socklb, Route::Haproxy, Route::Nginx];
+        let mut series = self.take_turns(&routes, &[Measure::CpuPer10k], |bench, route| {
+            let per_10k = |cpu_seconds: f64, requests: u64| cpu_seconds / requests as f64 * 1e4;
+            match route {
+                Route::Socklb => {
+                    let daemon_pid = bench.lab.daemon.pid();
+                    let stats = measures::BpfStats::enable()?;
+                    let before = programs.read()?;
+                    let daemon_before = process::cpu_seconds(daemon_pid);
+                    let run = bench.wrk(route, load)?;
+                    let used: HookCounters = programs.read()?.since(before);
+                    let daemon_used = process::cpu_seconds(daemon_pid) - daemon_before;
+                    drop(stats);
+                    if used.connect_runs == 0 {
+                        bail!(
+                            "socklb's connect programs did not run: is the client in its cgroup?"
+                        );
+                    }
+                    ns_per_connect.push(used.connect_run_ns as f64 / used.connect_runs as f64);
+                    daemon_cpu.push(per_10k(daemon_used, run.requests));
+                    Ok(vec![per_10k(used.all_run_ns as f64 / 1e9, run.requests)])
+                }
+                Route::Haproxy | Route::Nginx => {
+                    let proxy = if route == Route::Haproxy {
+                        &bench.lab.haproxy
+                    } else {
+                        &bench.lab.nginx_proxy
+                    };
+                    let before = proxy.cpu_seconds_with_children();
+                    let run = bench.wrk(route, load)?;
+                    let proxy = if route == Route::Haproxy {
+                        &bench.lab.haproxy
+                    } else {
+                        &bench.lab.nginx_proxy
+                    };
+                    let used = proxy.cpu_seconds_with_children() - before;
+                    Ok(vec![per_10k(used, run.requests)])
+                }
+                Route::Direct => bail!("direct has no proxy to measure"),
+            }
+        })?;
+        let hook = HookCost {
+            ns_per_connect: Summary::of(&ns_per_connect),
+            daemon_cpu_per_10k: Summary::of(&daemon_cpu),
+        };
+        println!(
+            "bench:   socklb hook: {} ns per connect (median)",
+            report::number(hook.ns_per_connect.median)
+        );
+        Ok((series.remove(0), hook))
+    }
+}

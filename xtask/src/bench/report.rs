@@ -1,0 +1,446 @@
+//! bench/results/REPORT.md, and the summary printed at the end of a run.
+
+use std::{fmt::Write as _, fs, path::Path};
+
+use anyhow::{Context, Result};
+
+use super::{Measure, REPETITIONS, RUN_SECONDS, Results, Route, Series, Summary};
+
+/// A number with about four significant digits, "n/a" when there is none.
+pub fn number(value: f64) -> String {
+    if !value.is_finite() {
+        return "n/a".into();
+    }
+    let magnitude = value.abs();
+    let decimals = if magnitude >= 1000.0 || magnitude == 0.0 {
+        0
+    } else {
+        (3 - magnitude.log10().floor() as i32).max(0) as usize
+    };
+    format!("{value:.decimals$}")
+}
+
+/// One of the issue's targets, checked against this run.
+pub struct TargetCheck {
+    pub target: String,
+    pub figure: String,
+    /// None when a figure is missing.
+    pub met: Option<bool>,
+}
+
+impl TargetCheck {
+    fn verdict(&self) -> &'static str {
+        match self.met {
+            Some(true) => "met",
+            Some(false) => "missed",
+            None => "not measured",
+        }
+    }
+}
+
+fn series(results: &Results, measure: Measure) -> Option<&Series> {
+    results
+        .series
+        .iter()
+        .find(|series| series.measure == measure)
+}
+
+fn median(results: &Results, measure: Measure, route: Route) -> Option<f64> {
+    Some(series(results, measure)?.summary(route)?.median)
+}
+
+pub fn target_checks(results: &Results) -> Vec<TargetCheck> {
+    let mut checks = Vec::new();
+    for (measure, what) in [
+        (
+            Measure::NewConnections1,
+            "new-connection rate, 1 connection",
+        ),
+        (
+            Measure::NewConnections64,
+            "new-connection rate, 64 connections",
+        ),
+    ] {
+        let ratio = series(results, measure).and_then(|series| series.ratio(Route::Socklb));
+        checks.push(TargetCheck {
+            target: format!("socklb ≥ 0.97 × direct, {what}"),
+            figure: ratio.map_or("n/a".into(), |ratio| format!("{ratio:.3} ×")),
+            met: ratio.map(|ratio| ratio >= 0.97),
+        });
+    }
+    for (measure, what) in [
+        (Measure::Throughput1, "throughput, 1 stream"),
+        (Measure::Throughput4, "throughput, 4 streams"),
+    ] {
+        let ratio = series(results, measure).and_then(|series| series.ratio(Route::Socklb));
+        checks.push(TargetCheck {
+            target: format!("socklb ≥ 0.99 × direct, {what}"),
+            figure: ratio.map_or("n/a".into(), |ratio| format!("{ratio:.3} ×")),
+            met: ratio.map(|ratio| ratio >= 0.99),
+        });
+    }
+    let delta = median(results, Measure::LatencyP50, Route::Socklb)
+        .zip(median(results, Measure::LatencyP50, Route::Direct))
+        .map(|(socklb, direct)| socklb - direct);
+    checks.push(TargetCheck {
+        target: "socklb p50 round trip ≤ direct + 1 µs".into(),
+        figure: delta.map_or("n/a".into(), |delta| format!("{delta:+.3} µs")),
+        met: delta.map(|delta| delta <= 1.0),
+    });
+    for (measure, what) in [
+        (Measure::NewConnections1, "1 connection"),
+        (Measure::NewConnections64, "64 connections"),
+    ] {
+        let share = (|| {
+            let socklb = median(results, measure, Route::Socklb)?;
+            let direct = median(results, measure, Route::Direct)?;
+            let haproxy = median(results, measure, Route::Haproxy)?;
+            Some((socklb - haproxy) / (direct - haproxy))
+        })();
+        checks.push(TargetCheck {
+            target: format!(
+                "(socklb − HAProxy) / (direct − HAProxy) ≥ 0.95, new-connection rate, {what}"
+            ),
+            figure: share.map_or("n/a".into(), |share| format!("{share:.3}")),
+            met: share.map(|share| share >= 0.95),
+        });
+    }
+    let hook = results.hook.ns_per_connect.median;
+    checks.push(TargetCheck {
+        target: "socklb hook ≤ 300 ns per connect".into(),
+        figure: format!("{} ns", number(hook)),
+        met: hook.is_finite().then_some(hook <= 300.0),
+    });
+    checks
+}
+
+pub fn write(out: &Path, results: &Results) -> Result<()> {
+    fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let path = out.join("REPORT.md");
+    fs::write(&path, render(results)).with_context(|| format!("writing {}", path.display()))?;
+    println!("bench: wrote {}", path.display());
+    Ok(())
+}
+
+fn render(results: &Results) -> String {
+    let mut text = String::new();
+    let date = results
+        .machine
+        .iter()
+        .find(|(what, _)| what == "Date")
+        .map_or("", |(_, date)| date.as_str());
+    let _ = writeln!(
+        text,
+        "# socklb benchmark report\n\n\
+         Written by `cargo xtask bench` on {date}; the whole run took {:.1} minutes. \
+         Each figure is the median of {REPETITIONS} runs of {RUN_SECONDS} s, with the \
+         minimum and maximum of those runs; the routes took turns within each round, and \
+         every ratio compares medians of this same run. This machine is small and shared, \
+         so absolute figures are noisy; the ratios are what to read.\n",
+        results.elapsed.as_secs_f64() / 60.0
+    );
+
+    text.push_str("## The issue's targets\n\n| Target | This run | Verdict |\n|---|---|---|\n");
+    for check in target_checks(results) {
+        let _ = writeln!(
+            text,
+            "| {} | {} | {} |",
+            check.target,
+            check.figure,
+            check.verdict()
+        );
+    }
+    text.push_str(
+        "\nThe targets are reported, not enforced: nothing in the benchmark was tuned to meet them.\n",
+    );
+    render_noise_floor(&mut text, results);
+
+    text.push_str("## Routes\n\n");
+    text.push_str(
+        "The four routes lead to the same three backends on 127.0.0.2: one nginx serving a \
+         100-byte file, one `sockperf server --tcp`, one `iperf3 -s`.\n\n\
+         - **direct**: the client connects to the backend itself.\n\
+         - **socklb**: the client connects to a VIP on 127.0.0.1; socklb's cgroup connect4 hook \
+         rewrites the destination to the backend. socklb is attached to a child cgroup, and the \
+         clients of this route run inside it. socklb (a release build) probes each backend with a \
+         TCP connect every second, as HAProxy does.\n\
+         - **HAProxy**: `mode tcp`, `balance leastconn`, TCP health checks every second, shaped \
+         like kubespray's node-local `haproxy.cfg.j2`; it listens on 127.0.0.1.\n\
+         - **nginx**: a separate nginx (not the backend's) with a `stream` proxy, `least_conn`, \
+         `proxy_timeout 10m`, `proxy_connect_timeout 1s`, shaped like kubespray's \
+         `nginx.conf.j2`; it listens on 127.0.0.1.\n\n\
+         Clients of direct, HAProxy and nginx run in a sibling child cgroup with nothing \
+         attached, so only the socklb route passes through the hook. The configurations are at \
+         the end of this report.\n\n",
+    );
+
+    text.push_str("## Results\n\n");
+    for measured in &results.series {
+        render_series(&mut text, measured);
+    }
+    render_hook(&mut text, results);
+    render_footprint(&mut text, results);
+    render_micro(&mut text, results);
+    render_errors(&mut text, results);
+
+    text.push_str("## Machine and tools\n\n| | |\n|---|---|\n");
+    for (what, value) in results.machine.iter().chain(&results.tools) {
+        let _ = writeln!(text, "| {what} | `{}` |", value.replace('|', "\\|"));
+    }
+    text.push_str(
+        "\n## Method\n\n\
+         - New-connection rate: `wrk -t1 -c1` and `wrk -t2 -c64` with `Connection: close`, so \
+         each request opens a TCP connection (and, on the socklb route, runs the connect hook \
+         once). Keep-alive rate: `wrk -t2 -c64`; the backend allows a million requests per \
+         connection, so nothing reconnects. One 1 s warm-up run per route precedes each wrk \
+         measure.\n\
+         - Latency: `sockperf ping-pong --tcp --full-rtt`: one connection, one message in flight, \
+         round trip percentiles as sockperf prints them.\n\
+         - Single-flow measures (wrk at 1 connection, sockperf) run every participant on CPU 0: \
+         the client (`taskset -c 0`), the backends and the proxies (their threads are moved there \
+         for these measures and moved back after). With one request in flight, the scheduler \
+         otherwise decides the result: client and server on the same CPU wake each other in a few \
+         µs, on different CPUs in tens of µs on a VM like this one, and that placement changes \
+         from run to run, so unpinned runs of the same data path differ by up to ten times. Pinned, a proxy's extra hops cost CPU time on the same CPU, which is \
+         what these figures compare. The 64-connection and bulk measures are not pinned.\n\
+         - Throughput: `iperf3 -J` with 1 and 4 streams, received bits per second.\n\
+         - CPU per 10k requests: separate `wrk -t2 -c64` `Connection: close` runs. HAProxy and \
+         nginx: user + system time of the proxy's processes (nginx: master and workers) from \
+         /proc/PID/stat before and after. socklb: `kernel.bpf_stats_enabled` is set to 1 only \
+         around socklb's runs and restored after; the run time of socklb's programs (found \
+         through its pinned links, read with `bpftool prog show -j`) over the run. The rate \
+         runs above ran with the statistics off.\n\
+         - Everything runs on one machine: wrk, the proxy and the backend share its CPUs, so a \
+         proxy's CPU use also slows its clients and backend. That is the situation of a \
+         node-local balancer too.\n\
+         - Traffic stays on 127.0.0.0/8. Every process the benchmark starts is stopped by its \
+         PID at the end; the cgroups, pins and scratch files are removed.\n\n",
+    );
+
+    text.push_str("## Configurations\n\n");
+    for (name, config) in &results.configs {
+        let _ = writeln!(
+            text,
+            "<details><summary>{name}</summary>\n\n```\n{}\n```\n\n</details>\n",
+            config.trim_end()
+        );
+    }
+    text
+}
+
+/// After connect() a socklb connection is a direct one: on keep-alive and
+/// bulk measures socklb runs none of its code, so how far its ratio lands
+/// from 1 there is this run's noise.
+fn render_noise_floor(text: &mut String, results: &Results) {
+    let ratios: Vec<(Measure, f64)> = [
+        Measure::KeepAlive64,
+        Measure::Throughput1,
+        Measure::Throughput4,
+    ]
+    .iter()
+    .filter_map(|measure| Some((*measure, series(results, *measure)?.ratio(Route::Socklb)?)))
+    .collect();
+    if ratios.is_empty() {
+        text.push('\n');
+        return;
+    }
+    let shown: Vec<String> = ratios
+        .iter()
+        .map(|(measure, ratio)| format!("{} {ratio:.3}", measure.key()))
+        .collect();
+    let _ = writeln!(
+        text,
+        "\nHow much of a ratio is noise: after connect() a socklb connection is a plain \
+         direct connection, so on the keep-alive and bulk measures socklb runs no code of its own \
+         and should equal direct. Its ratios there in this run ({}) show how far noise alone \
+         moves a ratio on this machine; the min-max ranges below show the same.\n",
+        shown.join(", ")
+    );
+}
+
+fn render_series(text: &mut String, measured: &Series) {
+    let measure = measured.measure;
+    let _ = writeln!(
+        text,
+        "### {}\n\n![{}]({}.svg)\n\n| Route | Median | Min | Max | × direct |\n|---|---:|---:|---:|---:|",
+        measure.title(),
+        measure.key(),
+        measure.key()
+    );
+    for route in Route::ALL {
+        let Some(summary) = measured.summary(route) else {
+            if route == Route::Direct && measure == Measure::CpuPer10k {
+                text.push_str("| direct | no proxy | | | |\n");
+            }
+            continue;
+        };
+        let ratio = measured
+            .ratio(route)
+            .map_or("n/a".to_string(), |ratio| format!("{ratio:.3}"));
+        let _ = writeln!(
+            text,
+            "| {} | {} {} | {} | {} | {} |",
+            route.name(),
+            number(summary.median),
+            measure.unit(),
+            number(summary.min),
+            number(summary.max),
+            ratio
+        );
+    }
+    text.push('\n');
+}
+
+fn render_hook(text: &mut String, results: &Results) {
+    let hook = &results.hook;
+    let _ = writeln!(
+        text,
+        "### socklb's connect hook\n\n\
+         | | Median | Min | Max |\n|---|---:|---:|---:|\n\
+         | connect4 run time per connect (BPF statistics) | {} ns | {} | {} |\n\
+         | socklb daemon CPU over the same runs (health probes only; not on the data path) | {} CPU-s / 10k requests | {} | {} |\n\n\
+         The daemon's figure is in whole ticks of /proc (10 ms); 0 means less than one tick per run.\n",
+        number(hook.ns_per_connect.median),
+        number(hook.ns_per_connect.min),
+        number(hook.ns_per_connect.max),
+        number(hook.daemon_cpu_per_10k.median),
+        number(hook.daemon_cpu_per_10k.min),
+        number(hook.daemon_cpu_per_10k.max),
+    );
+}
+
+fn render_footprint(text: &mut String, results: &Results) {
+    let footprint = &results.footprint;
+    let rss: &Summary = &footprint.rss_mib;
+    let cpu = &footprint.cpu_percent;
+    let _ = writeln!(
+        text,
+        "### socklb daemon with {} services × {} backends\n\n\
+         socklb (release build) attached to an empty child cgroup, every backend on a loopback \
+         address where nothing listens (each probe is a refused TCP connect), probed every \
+         second (±20 % jitter). Sampled once a second for {} s after the first probe round; \
+         CPU is over {REPETITIONS} windows.\n\n\
+         | | Median | Min | Max |\n|---|---:|---:|---:|\n\
+         | RSS (VmRSS) | {} MiB | {} | {} |\n\
+         | CPU (user + system, % of one CPU) | {} % | {} | {} |\n\n\
+         Peak RSS (VmHWM): {} MiB.\n",
+        footprint.services,
+        footprint.backends_per_service,
+        footprint.window_seconds,
+        number(rss.median),
+        number(rss.min),
+        number(rss.max),
+        number(cpu.median),
+        number(cpu.min),
+        number(cpu.max),
+        number(footprint.peak_rss_mib),
+    );
+}
+
+fn render_micro(text: &mut String, results: &Results) {
+    text.push_str(
+        "### Microbenchmarks (criterion, lb-userspace/benches/planner.rs)\n\n\
+         Run with a short measurement time (0.5 s warm-up, 1 s measurement); \
+         `cargo bench -p lb-userspace --bench planner` runs them at criterion's defaults. \
+         `layout_and_plan`: the selection table from the configuration (Layout::from_config \
+         and plan, nine backends in ten healthy). `plan`: the table alone, as on a health \
+         change. `expand_weights`: weights 1-3 into 1024 slots. `record_round`: one probe \
+         outcome recorded for every backend (HealthTracker::record). 10,000 backends is past \
+         the configuration's limit of 1024 per family and shows how the cost grows.\n\n\
+         | Benchmark | Median | 95 % interval |\n|---|---:|---:|\n",
+    );
+    let figures = match &results.micro {
+        Ok(figures) if figures.is_empty() => {
+            text.push_str("| (no criterion figures were found) | | |\n");
+            &[][..]
+        }
+        Ok(figures) => figures.as_slice(),
+        Err(error) => {
+            let _ = writeln!(
+                text,
+                "| (the benchmarks failed: {}) | | |",
+                error.replace('\n', " ")
+            );
+            &[][..]
+        }
+    };
+    for figure in figures {
+        let _ = writeln!(
+            text,
+            "| {} | {} | {} – {} |",
+            figure.id,
+            duration(figure.median_ns),
+            duration(figure.lower_ns),
+            duration(figure.upper_ns)
+        );
+    }
+    text.push('\n');
+}
+
+fn duration(ns: f64) -> String {
+    if ns >= 1e6 {
+        format!("{} ms", number(ns / 1e6))
+    } else if ns >= 1e3 {
+        format!("{} µs", number(ns / 1e3))
+    } else {
+        format!("{} ns", number(ns))
+    }
+}
+
+fn render_errors(text: &mut String, results: &Results) {
+    text.push_str(
+        "### wrk errors over all runs\n\n| Route | Socket errors | Non-2xx responses |\n|---|---:|---:|\n",
+    );
+    for (route, socket_errors, non_2xx) in &results.wrk_errors {
+        let _ = writeln!(text, "| {} | {socket_errors} | {non_2xx} |", route.name());
+    }
+    text.push('\n');
+}
+
+/// The short version, for the terminal.
+pub fn print_summary(results: &Results, out: &Path) {
+    println!(
+        "\nbench summary ({:.1} min; medians of {REPETITIONS} runs; ratio = route / direct)",
+        results.elapsed.as_secs_f64() / 60.0
+    );
+    for measured in &results.series {
+        let shown: Vec<String> = Route::ALL
+            .iter()
+            .filter_map(|route| {
+                let summary = measured.summary(*route)?;
+                let ratio = measured
+                    .ratio(*route)
+                    .map_or(String::new(), |ratio| format!(" ({ratio:.3})"));
+                Some(format!(
+                    "{} {}{ratio}",
+                    route.name(),
+                    number(summary.median)
+                ))
+            })
+            .collect();
+        println!(
+            "  {:<22} [{}] {}",
+            measured.measure.key(),
+            measured.measure.unit(),
+            shown.join(", ")
+        );
+    }
+    println!(
+        "  socklb hook: {} ns per connect; daemon at {}x{} backends: RSS {} MiB, CPU {} %",
+        number(results.hook.ns_per_connect.median),
+        results.footprint.services,
+        results.footprint.backends_per_service,
+        number(results.footprint.rss_mib.median),
+        number(results.footprint.cpu_percent.median),
+    );
+    println!("targets (issue 4):");
+    for check in target_checks(results) {
+        println!(
+            "  {:<7} {} — {}",
+            check.verdict(),
+            check.target,
+            check.figure
+        );
+    }
+    println!("report: {}", out.join("REPORT.md").display());
+}

@@ -287,9 +287,20 @@ pub enum SlotChoice {
 }
 
 /// Picks a slot for one connect. O(1), no loop, and a zero count is checked
-/// before every modulo, which both the verifier and sanity require.
+/// before every modulo, which both the verifier and sanity require. An entry
+/// whose bank or counts lie outside its own table (a corrupted or tampered
+/// entry) is treated as empty, so it can never reach another table's slots.
 #[inline(always)]
 pub fn choose_slot(entry: &ServiceEntry, random: u32) -> SlotChoice {
+    let own_bank = entry.bank_base == bank_base(entry.table_id, 0)
+        || entry.bank_base == bank_base(entry.table_id, 1);
+    if !own_bank
+        || entry.table_id >= MAX_TABLES
+        || entry.healthy_slots > SLOTS_PER_LIST
+        || entry.all_slots > SLOTS_PER_LIST
+    {
+        return SlotChoice::Empty;
+    }
     if entry.healthy_slots != 0 {
         return SlotChoice::Healthy(entry.bank_base + random % entry.healthy_slots);
     }
@@ -383,6 +394,21 @@ mod tests {
                 entry(4, 4, 0),
                 u32::MAX,
                 SlotChoice::Healthy(base + 3),
+            ),
+            (
+                "count past its list",
+                entry(SLOTS_PER_LIST + 1, 1, 0),
+                7,
+                SlotChoice::Empty,
+            ),
+            (
+                "bank of another table",
+                ServiceEntry {
+                    bank_base: bank_base(4, 0),
+                    ..entry(3, 3, 0)
+                },
+                7,
+                SlotChoice::Empty,
             ),
         ];
         for (what, entry, random, want) in cases {

@@ -30,11 +30,10 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::debug;
 use lb_common::{
-    MAX_DRAINS,
     BackendConns, BackendInfo, BackendSlot, BackendStats, CONNECT_FAILURES_BYTES, ConnectFailure,
-    Endpoint, FAMILY_V4, MAX_BACKENDS, MAX_REDIRECTED_SOCKETS, MAX_SLOTS, MAX_TABLES, MAX_VIPS,
-    RedirectedSocket, SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_LEAST_CONN, ServiceEntry, Settings,
-    SlotChoice, TableInfo, TableStats, choose_slot, second_is_less_loaded,
+    Endpoint, FAMILY_V4, MAX_BACKENDS, MAX_DRAINS, MAX_REDIRECTED_SOCKETS, MAX_SLOTS, MAX_TABLES,
+    MAX_VIPS, RedirectedSocket, SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_LEAST_CONN, ServiceEntry,
+    Settings, SlotChoice, TableInfo, TableStats, choose_slot, second_is_less_loaded,
 };
 
 /// VIP → current selection table. Written by the daemon (one update per
@@ -94,6 +93,7 @@ static CONNECT_FAILURES: RingBuf<ConnectFailure, { CONNECT_FAILURES_BYTES as usi
 const PROCEED: i32 = 1;
 const REFUSE: i32 = 0;
 const SOCK_STREAM: u32 = 1;
+const IPPROTO_TCP: u32 = 6;
 const ECONNREFUSED: i32 = 111;
 /// `::ffff:0:0/96` in network byte order, word 2 of an IPv4-mapped address.
 const V4_MAPPED_WORD_BE: u32 = 0xffff_u32.to_be();
@@ -150,7 +150,8 @@ fn sock_addr(ctx: &SockAddrContext) -> &mut bpf_sock_addr {
 
 fn connect4(ctx: &SockAddrContext) -> Result<(), Refusal> {
     let sa = sock_addr(ctx);
-    if sa.type_ != SOCK_STREAM {
+    // TCP only: MPTCP and SCTP stream sockets never reach sock_ops.
+    if sa.type_ != SOCK_STREAM || sa.protocol != IPPROTO_TCP {
         return Ok(());
     }
     let vip = Endpoint::v4(sa.user_ip4, sa.user_port as u16);
@@ -170,7 +171,8 @@ fn connect4(ctx: &SockAddrContext) -> Result<(), Refusal> {
 
 fn connect6(ctx: &SockAddrContext) -> Result<(), Refusal> {
     let sa = sock_addr(ctx);
-    if sa.type_ != SOCK_STREAM {
+    // TCP only: MPTCP and SCTP stream sockets never reach sock_ops.
+    if sa.type_ != SOCK_STREAM || sa.protocol != IPPROTO_TCP {
         return Ok(());
     }
     // The verifier only allows 4-byte loads from user_ip6, so read it word

@@ -897,7 +897,8 @@ pub fn parse_duration(text: &str) -> Option<Duration> {
         return None;
     };
     let value: f64 = number.trim().parse().ok()?;
-    (value.is_finite() && value >= 0.0).then(|| Duration::from_secs_f64(value * unit_ms / 1000.0))
+    // try_from: a huge value such as 1e20s is "not a duration", not a panic.
+    Duration::try_from_secs_f64(value * unit_ms / 1000.0).ok()
 }
 
 /// Limits that come from the kernel maps' sizes.
@@ -1495,5 +1496,7 @@ mod tests {
         assert_eq!(parse_duration("1m"), Some(Duration::from_secs(60)));
         assert_eq!(parse_duration("5"), None);
         assert_eq!(parse_duration("-1s"), None);
+        assert_eq!(parse_duration("1e20s"), None, "too large, and no panic");
+        assert_eq!(parse_duration("NaNs"), None);
     }
 }

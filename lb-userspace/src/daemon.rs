@@ -12,7 +12,7 @@ use std::{
     time::Duration,
 };
 
-use lb_common::{BackendInfo, ConnectFailure, Endpoint, Settings};
+use lb_common::{BackendInfo, ConnectFailure, Endpoint, Settings, bank_base};
 use tokio::{
     io::{Interest, unix::AsyncFd},
     signal::unix::{SignalKind, signal},
@@ -63,6 +63,7 @@ pub struct RunOptions {
 
 /// What the owner keeps per probed backend.
 struct ProbedBackend {
+    id: u32,
     addr: SocketAddr,
     /// How a passing probe is described in a transition message.
     success_words: String,
@@ -107,6 +108,13 @@ struct State {
     /// for with `socklb drain` (read from `DRAINS`).
     draining: HashSet<u32>,
     written: Vec<TableContents>,
+    /// A write failed; the next check tries again.
+    dirty: bool,
+    /// Link pins found missing (reported once each).
+    missing_links: HashSet<&'static str>,
+    /// Per backend, the kernel's consecutive-failure count when it last
+    /// became healthy: only failures after that count against it.
+    failure_baseline: HashMap<u32, u32>,
 }
 
 impl State {
@@ -163,16 +171,15 @@ impl State {
         true
     }
 
-    /// Seeds each tracker from the pinned record of a previous daemon when
-    /// it describes the same backend, so a restart neither re-admits a dead
-    /// backend nor drops a live one.
-    fn seed(&mut self, known: &HashMap<u32, BackendInfo>) {
+    /// Seeds each tracker from the pinned record of a previous daemon for
+    /// the same service and address (ids may have moved with a changed
+    /// config), so a restart neither re-admits a dead backend nor drops a
+    /// live one. A record whose health was only assumed seeds nothing.
+    fn seed(&mut self, known: &HashMap<(String, Endpoint), BackendInfo>) {
         for (table, backend) in self.layout.backends() {
-            let tracker = match known.get(&backend.id) {
-                Some(info)
-                    if info.target == endpoint(&backend.addr)
-                        && info.table_id == table.table_id =>
-                {
+            let key = (table.service.clone(), endpoint(&backend.addr));
+            let tracker = match known.get(&key) {
+                Some(info) if info.probed != 0 => {
                     HealthTracker::known(&table.health, info.healthy != 0)
                 }
                 _ => HealthTracker::unknown(&table.health),
@@ -183,11 +190,14 @@ impl State {
 
     /// Logs a backend's transition once, writes the tables, and closes the
     /// connections to a backend that went down.
+    /// `wake_probe`: probe the backend again now (after a verdict that did
+    /// not come from its own probes) rather than at its next interval.
     fn apply(
         &mut self,
         dataplane: &mut Dataplane,
         backend: &ProbedBackend,
         transition: Option<Transition>,
+        wake_probe: bool,
     ) {
         let healthy = transition.as_ref().map(|transition| transition.healthy);
         if let Some(transition) = &transition {
@@ -203,15 +213,42 @@ impl State {
             backend.down.send_if_modified(|down| {
                 let changed = *down != down_now;
                 *down = down_now;
-                changed
+                changed && wake_probe
             });
+            if healthy {
+                let failures = dataplane.connections(backend.id).consecutive_failures;
+                self.failure_baseline.insert(backend.id, failures);
+            }
         }
-        if let Err(error) = self.write_changes(dataplane) {
-            warn!("writing the new tables failed, will retry on the next check: {error}");
+        if !self.write_or_retry_later(dataplane) {
+            // The table may still list the backend: closing its connections
+            // now would only send the clients back to it.
+            return;
         }
         if healthy == Some(false) && backend.close_on_failure {
             close_connections(dataplane, backend.addr);
         }
+    }
+
+    /// Writes the changed tables; on failure, marks the state dirty so the
+    /// next check tries again. Returns whether the kernel is up to date.
+    fn write_or_retry_later(&mut self, dataplane: &mut Dataplane) -> bool {
+        match self.write_changes(dataplane) {
+            Ok(()) => {
+                self.dirty = false;
+                true
+            }
+            Err(error) => {
+                warn!("writing the new tables failed, will retry on the next check: {error}");
+                self.dirty = true;
+                false
+            }
+        }
+    }
+
+    /// Failed connects in a row since the backend last became healthy.
+    fn failures_since_healthy(&self, backend_id: u32, consecutive: u32) -> u32 {
+        consecutive.saturating_sub(self.failure_baseline.get(&backend_id).copied().unwrap_or(0))
     }
 
     /// Writes every table whose contents changed, and the records.
@@ -232,8 +269,12 @@ impl State {
         Ok(())
     }
 
-    /// Restores any VIP entry that no longer matches what was written, and
-    /// says loudly what changed.
+    /// Restores what someone else changed in our maps, and says loudly what
+    /// changed: a VIP entry that differs from what was written (or is gone),
+    /// and a VIP entry we never wrote, which would redirect an address that
+    /// is no VIP of ours. Also retries a write that failed. A removed link
+    /// pin cannot be restored without reloading the programs; it is reported
+    /// once.
     fn reconcile(
         &mut self,
         dataplane: &mut Dataplane,
@@ -241,19 +282,38 @@ impl State {
     ) -> Result<(), KernelError> {
         for program in kernel::PROGRAMS {
             let link = paths.link(program);
-            if !link.exists() {
+            if !link.exists() && self.missing_links.insert(program) {
                 warn!(
-                    "{} was removed by someone else: {program} is detached",
+                    "{} was removed by someone else: {program} is detached; restart socklb after `socklb uninstall` to restore it",
                     link.display()
                 );
             }
         }
+        if self.dirty {
+            self.write_or_retry_later(dataplane);
+        }
         let entries: HashMap<_, _> = dataplane.service_entries().into_iter().collect();
+        let ours: HashSet<Endpoint> = self
+            .layout
+            .tables
+            .iter()
+            .flat_map(|table| table.vips.iter().map(endpoint))
+            .collect();
+        if let Some(stranger) = entries.keys().find(|vip| !ours.contains(vip)) {
+            warn!(
+                "someone else added a SERVICES entry for {}; removing it",
+                socket_addr(stranger)
+                    .map_or_else(|| format!("{stranger:?}"), |addr| addr.to_string())
+            );
+            dataplane.remove_stale(&self.layout)?;
+        }
         for (table, contents) in self.layout.tables.iter().zip(&self.written) {
             let tampered = table.vips.iter().find(|vip| {
                 entries.get(&endpoint(vip)).is_none_or(|entry| {
                     entry.table_id != table.table_id
                         || entry.flags != table.flags
+                        || (entry.bank_base != bank_base(table.table_id, 0)
+                            && entry.bank_base != bank_base(table.table_id, 1))
                         || entry.healthy_slots as usize != contents.healthy.len()
                         || entry.all_slots as usize != contents.all.len()
                 })
@@ -288,6 +348,14 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
         info!("mounted bpffs on /sys/fs/bpf");
     }
     let _lock = kernel::lock_pin_dir(&paths)?;
+    // Before anything is installed: a SIGTERM during start-up must reach
+    // the loop (and --cleanup-on-exit), not end the process half-way.
+    let signal_error = |source| DaemonError::Io {
+        what: "installing signal handlers",
+        source,
+    };
+    let mut sigterm = signal(SignalKind::terminate()).map_err(signal_error)?;
+    let mut sigint = signal(SignalKind::interrupt()).map_err(signal_error)?;
     let host_netns_cookie = kernel::current_netns_cookie().map_err(|source| DaemonError::Io {
         what: "reading this network namespace's cookie (SO_NETNS_COOKIE)",
         source,
@@ -298,6 +366,9 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
         trackers: HashMap::new(),
         draining: HashSet::new(),
         written: Vec::new(),
+        dirty: false,
+        missing_links: HashSet::new(),
+        failure_baseline: HashMap::new(),
     };
     let mut removed: Vec<SocketAddr> = Vec::new();
     let installed = kernel::install_or_adopt(
@@ -318,7 +389,21 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
                 .filter(|info| !kept.contains(&info.target))
                 .filter_map(|info| socket_addr(&info.target))
                 .collect();
-            state.seed(&previous);
+            let service_of: HashMap<u32, String> = dataplane
+                .table_records()
+                .into_iter()
+                .map(|(id, info)| (id, kernel::table_name(&info)))
+                .collect();
+            let known: HashMap<(String, Endpoint), BackendInfo> = previous
+                .values()
+                .filter_map(|info| {
+                    Some((
+                        (service_of.get(&info.table_id)?.clone(), info.target),
+                        *info,
+                    ))
+                })
+                .collect();
+            state.seed(&known);
             state.update_draining(&dataplane.drain_requests());
             dataplane.write_settings(Settings {
                 host_netns_cookie,
@@ -376,6 +461,7 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
             probed.insert(
                 backend.id,
                 ProbedBackend {
+                    id: backend.id,
                     addr: backend.addr,
                     success_words,
                     down,
@@ -401,12 +487,6 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
         }
     };
 
-    let signal_error = |source| DaemonError::Io {
-        what: "installing signal handlers",
-        source,
-    };
-    let mut sigterm = signal(SignalKind::terminate()).map_err(signal_error)?;
-    let mut sigint = signal(SignalKind::interrupt()).map_err(signal_error)?;
     let mut reconcile = tokio::time::interval(RECONCILE_INTERVAL);
     reconcile.tick().await;
     let mut drain_check = tokio::time::interval(DRAIN_CHECK_INTERVAL);
@@ -423,7 +503,7 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
                 // table, but status must stop calling the backend unknown.
                 let newly_settled = !was_settled && tracker.is_settled();
                 if transition.is_some() || newly_settled {
-                    state.apply(&mut dataplane, backend, transition);
+                    state.apply(&mut dataplane, backend, transition, false);
                 }
             }
             Some(mut guard) = async {
@@ -443,26 +523,23 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
                         consecutive = failure.consecutive_failures,
                         "failed connect reported by the kernel"
                     );
+                    let count = state.failures_since_healthy(failure.backend_id, failure.consecutive_failures);
                     let backend = match probed.get(&failure.backend_id) {
-                        Some(backend) if backend.connect_failures > 0
-                            && failure.consecutive_failures >= backend.connect_failures => backend,
+                        Some(backend) if backend.connect_failures > 0 && count >= backend.connect_failures => backend,
                         _ => continue,
                     };
                     let Some(tracker) = state.trackers.get_mut(&failure.backend_id) else { continue };
-                    let count = failure.consecutive_failures;
                     let transition = tracker.mark_down(format!("{count} failed connects in a row"), count);
                     if transition.is_some() {
-                        state.apply(&mut dataplane, backend, transition);
+                        state.apply(&mut dataplane, backend, transition, true);
                     }
                 }
             }
             _ = sigterm.recv() => { info!("SIGTERM"); break; }
             _ = sigint.recv() => { info!("SIGINT"); break; }
             _ = drain_check.tick() => {
-                if state.update_draining(&dataplane.drain_requests())
-                    && let Err(error) = state.write_changes(&mut dataplane)
-                {
-                    warn!("writing the new tables failed, will retry on the next check: {error}");
+                if state.update_draining(&dataplane.drain_requests()) || state.dirty {
+                    state.write_or_retry_later(&mut dataplane);
                 }
             }
             _ = reconcile.tick() => {

@@ -280,10 +280,21 @@ impl Dataplane {
             .iter()
             .find_map(|vip| self.services.get(&endpoint(vip), 0).ok())
             .filter(|entry| entry.table_id == table.table_id);
-        let bank = match previous {
+        // Never fill a bank that any VIP entry points at now, even one left
+        // from a configuration whose ids were different.
+        let in_use: HashSet<u32> = self
+            .service_entries()
+            .iter()
+            .map(|(_, entry)| entry.bank_base)
+            .collect();
+        let preferred = match previous {
             Some(entry) if entry.bank_base == bank_base(table.table_id, 0) => 1,
             _ => 0,
         };
+        let bank = [preferred, 1 - preferred]
+            .into_iter()
+            .find(|bank| !in_use.contains(&bank_base(table.table_id, *bank)))
+            .unwrap_or(preferred);
         let base = bank_base(table.table_id, bank);
         let targets: HashMap<u32, SocketAddr> = table
             .backends
@@ -411,11 +422,14 @@ impl Dataplane {
         contents: &[TableContents],
         health: impl Fn(u32) -> BackendHealth,
     ) -> Result<(), KernelError> {
+        // Leftovers first: a VIP dropped from the configuration stops
+        // redirecting before its table id can be given to another service.
+        self.remove_stale(layout)?;
         self.write_records(layout, health)?;
         for (table, table_contents) in layout.tables.iter().zip(contents) {
             self.write_table(table, table_contents)?;
         }
-        self.remove_stale(layout)
+        Ok(())
     }
 
     /// The backends `socklb drain` asked to drain.
@@ -441,6 +455,14 @@ impl Dataplane {
         self.redirects
             .get(&cookie, 0)
             .is_ok_and(|record| record.backend == *backend)
+    }
+
+    /// The backend ids in the healthy list an entry points at.
+    pub fn healthy_backend_ids(&self, entry: &ServiceEntry) -> HashSet<u32> {
+        (0..entry.healthy_slots.min(SLOTS_PER_LIST))
+            .filter_map(|offset| self.slots.get(&(entry.bank_base + offset), 0).ok())
+            .map(|slot| slot.backend_id)
+            .collect()
     }
 
     /// The service entry each VIP has now.

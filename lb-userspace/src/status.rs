@@ -4,8 +4,8 @@
 use std::{collections::BTreeMap, fmt};
 
 use lb_common::{
-    ROLE_PREFERRED, ROLE_STANDBY, SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_PREFER_LOCAL,
-    SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY,
+    ROLE_PREFERRED, ROLE_STANDBY, SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_LEAST_CONN,
+    SERVICE_FLAG_PREFER_LOCAL, SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY,
 };
 use serde::Serialize;
 
@@ -71,6 +71,8 @@ pub fn read(dataplane: &Dataplane) -> StatusReport {
                 vips: Vec::new(),
                 policy: if info.flags & SERVICE_FLAG_PREFER_LOCAL != 0 {
                     "prefer-local".into()
+                } else if info.flags & SERVICE_FLAG_LEAST_CONN != 0 {
+                    "least-conn".into()
                 } else {
                     "random".into()
                 },
@@ -112,10 +114,11 @@ pub fn read(dataplane: &Dataplane) -> StatusReport {
             continue;
         };
         let conns = dataplane.connections(backend_id);
+        // What connects read now: the slots of the healthy list.
         let in_table = entries
             .iter()
             .find(|(_, entry)| entry.table_id == info.table_id)
-            .is_some_and(|(_, entry)| entry.healthy_slots > 0 && info.healthy != 0);
+            .is_some_and(|(_, entry)| dataplane.healthy_backend_ids(entry).contains(&backend_id));
         service.backends.push(BackendStatus {
             addr: socket_addr(&info.target).map_or_else(|| "?".into(), |addr| addr.to_string()),
             healthy: info.healthy != 0,

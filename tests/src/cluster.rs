@@ -181,9 +181,11 @@ impl Cluster {
     /// The switch and the root namespace's port on it, and no server yet.
     pub fn without_servers() -> Self {
         crate::require_root();
-        let id = CLUSTERS.fetch_add(1, Ordering::Relaxed);
-        assert!(id < 200, "too many clusters in one test process");
-        let tag = format!("{}x{id}", std::process::id() % 100_000);
+        // The subnet comes from the PID and a counter, so that two test
+        // processes on one machine do not share addresses.
+        let count = CLUSTERS.fetch_add(1, Ordering::Relaxed);
+        let id = (std::process::id() % 128) * 4 + count % 4;
+        let tag = format!("{}x{count}", std::process::id() % 100_000);
         let switch = format!("socklb-{tag}-sw");
         let cluster = Self {
             servers: Vec::new(),

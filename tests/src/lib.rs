@@ -498,6 +498,10 @@ impl Daemon {
     /// Stops the daemon with SIGTERM (the data plane stays) and starts it
     /// again with other `run` flags on the same pins.
     pub fn restart_with(&mut self, args: &[String]) {
+        assert!(
+            args.iter().any(|arg| arg == "--cgroup"),
+            "a test daemon must attach to a child cgroup"
+        );
         if self.child.is_some() {
             self.signal(libc::SIGTERM);
             self.wait_exit(Duration::from_secs(5))

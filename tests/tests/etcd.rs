@@ -114,12 +114,14 @@ fn attempts(tries: u32, mut command: impl FnMut() -> Output) -> (u32, Output) {
 
 #[test]
 fn etcd_behind_the_vip_keeps_serving_when_the_leader_dies() {
+    // Declared first, so it is removed last, after the members are killed.
+    let data_dir = DataDir(std::env::temp_dir().join(unique_name("etcd")));
+    std::fs::create_dir_all(&data_dir.0).expect("data dir");
+    let data = &data_dir.0;
     let mut cluster = Cluster::without_servers();
     for _ in 0..3 {
         cluster.add_namespace();
     }
-    let data = std::env::temp_dir().join(unique_name("etcd"));
-    std::fs::create_dir_all(&data).expect("data dir");
     let initial: Vec<String> = cluster
         .servers
         .iter()
@@ -128,7 +130,7 @@ fn etcd_behind_the_vip_keeps_serving_when_the_leader_dies() {
         .collect();
     let initial = initial.join(",");
     for index in 0..3 {
-        start_member(&mut cluster, index, &initial, &data);
+        start_member(&mut cluster, index, &initial, data);
     }
     let members: Vec<SocketAddr> = cluster
         .servers
@@ -192,7 +194,7 @@ fn etcd_behind_the_vip_keeps_serving_when_the_leader_dies() {
         out.as_millis()
     ));
 
-    start_member(&mut cluster, leader, &initial, &data);
+    start_member(&mut cluster, leader, &initial, data);
     daemon.wait_health(&members, true, Duration::from_secs(30));
     assert_eq!(text(&get("before")), "1", "the restarted member rejoined");
 
@@ -248,7 +250,13 @@ fn etcd_behind_the_vip_keeps_serving_when_the_leader_dies() {
         write_took < Duration::from_secs(20),
         "bounded by etcdctl's timeouts"
     );
-    drop(daemon);
-    drop(cluster);
-    let _ = std::fs::remove_dir_all(&data);
+}
+
+/// The members' data, removed at the end even when the test fails.
+struct DataDir(PathBuf);
+
+impl Drop for DataDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }

@@ -432,9 +432,13 @@ fn table_swaps_under_churn_never_show_a_half_written_table() {
     );
     let layout = Layout::from_config(&parse_toml(&text).expect("config"), |_| false);
     let table = &layout.tables[0];
-    // Two tables with different sizes: {b0} and {b1 ×1, b2 ×1}.
-    let only_first = plan(&layout, |id| id == 0);
-    let the_others = plan(&layout, |id| id != 0);
+    // Three tables of different sizes and members, cycled while the banks
+    // alternate, so each bank is rewritten with contents unlike its last.
+    let tables = [
+        plan(&layout, |id| id == 0),
+        plan(&layout, |id| id != 0),
+        plan(&layout, |id| id != 1),
+    ];
     let mut dataplane =
         Dataplane::open_pinned(&PinPaths::new(&daemon.pin_path)).expect("open pins");
 
@@ -446,11 +450,7 @@ fn table_swaps_under_churn_never_show_a_half_written_table() {
     let mut swaps = 0;
     // Swap for as long as the client runs (about 2 s), bounded in count.
     while swaps < 100_000 && started.elapsed() < Duration::from_secs(3) {
-        let contents = if swaps % 2 == 0 {
-            &only_first[0]
-        } else {
-            &the_others[0]
-        };
+        let contents = &tables[swaps % tables.len()][0];
         dataplane.write_table(table, contents).expect("swap");
         let entry = dataplane.service_entries()[0].1;
         banks.push(entry.bank_base);

@@ -34,28 +34,63 @@ fn least_conn_balances_live_connections_and_status_counts_them() {
     );
     daemon.wait_health(&addrs, true, Duration::from_secs(10));
 
-    let mut run = ClientRun::new(vip, Some(&cgroup.path), 60);
+    // Load b0 with 30 live connections while b1 is drained.
+    let pin = daemon.pin_path.display().to_string();
+    let b1 = backends[1].addr.to_string();
+    assert!(
+        socklb_tests::socklb(&["drain", &b1, "--pin-path", &pin])
+            .status
+            .success()
+    );
+    daemon.wait_for("b1 draining", Duration::from_secs(3), |status| {
+        backend_field(status, &b1, "draining") == Some(serde_json::json!(true))
+    });
+    let mut preload = ClientRun::new(vip, Some(&cgroup.path), 30);
+    preload.keep_open_ms = Some(4000);
+    let preload = preload.spawn();
+    daemon.wait_for("30 live on b0", Duration::from_secs(5), |status| {
+        live(status, &backends[0]) == 30
+    });
+    assert!(
+        socklb_tests::socklb(&["drain", "--undo", &b1, "--pin-path", &pin])
+            .status
+            .success()
+    );
+    daemon.wait_for("b1 back", Duration::from_secs(3), |status| {
+        backend_field(status, &b1, "draining") == Some(serde_json::json!(false))
+    });
+
+    // 100 more: two choices on live counts send most of them to b1 until
+    // the two are even (about 65 of 100); random choice would give b1 50.
+    let mut run = ClientRun::new(vip, Some(&cgroup.path), 100);
     run.keep_open_ms = Some(2000);
     let client = run.spawn();
-    let took = daemon.wait_for("60 live connections", Duration::from_secs(5), |status| {
-        live(status, &backends[0]) + live(status, &backends[1]) == 60
+    let took = daemon.wait_for("130 live connections", Duration::from_secs(5), |status| {
+        live(status, &backends[0]) + live(status, &backends[1]) == 130
     });
     let status = daemon.status().expect("status");
     let (first, second) = (live(&status, &backends[0]), live(&status, &backends[1]));
     let attempts = client.finish();
+    drop(preload);
     let counts = spread(&attempts);
-    eprintln!("least-conn: 60 held connections split {first}/{second} (seen after {took:?})");
+    eprintln!(
+        "least-conn: 30 live on b0, then 100 new went {}/{} (b0/b1); live {first}/{second} (seen after {took:?})",
+        counts.get("b0").unwrap_or(&0),
+        counts.get("b1").unwrap_or(&0)
+    );
     assert_eq!(counts.get("error"), None, "{counts:?}");
     assert_eq!(
         (first, second),
-        (counts["b0"] as i64, counts["b1"] as i64),
+        (30 + counts["b0"] as i64, counts["b1"] as i64),
         "live counts match who served"
     );
-    // Random choice would leave |difference| >= 8 about a third of the
-    // time; two choices on live counts keep it small.
     assert!(
-        (first - second).abs() <= 6,
-        "least-conn keeps the split even: {first}/{second}"
+        counts["b1"] >= 60,
+        "least-conn favours the less loaded backend: {counts:?}"
+    );
+    assert!(
+        (first - second).abs() <= 8,
+        "and evens them out: {first}/{second}"
     );
 
     daemon.wait_for("live back to 0", Duration::from_secs(5), |status| {

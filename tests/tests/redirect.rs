@@ -15,10 +15,12 @@ use socklb_tests::{
 const ECONNREFUSED: i32 = 111;
 
 /// A running service: cgroup, backends named b0, b1, … and its daemon.
+/// Fields drop in order: the daemon first, then the backends, then the
+/// cgroup.
 struct Setup {
-    cgroup: Cgroup,
-    backends: Vec<Backend>,
     daemon: Daemon,
+    backends: Vec<Backend>,
+    cgroup: Cgroup,
     vip: SocketAddr,
 }
 
@@ -538,7 +540,7 @@ fn drain_stops_new_connections_and_keeps_existing_ones() {
     // A connection that is open when the drain starts stays open.
     let mut run = ClientRun::new(vip, Some(&cgroup.path), 1);
     run.hold_ms = Some(2500);
-    let held: Vec<_> = (0..6).map(|_| run.spawn()).collect();
+    let held: Vec<_> = (0..12).map(|_| run.spawn()).collect();
     std::thread::sleep(Duration::from_millis(300));
     let output = socklb_tests::socklb(&["drain", &drained.addr.to_string(), "--pin-path", &pin]);
     assert!(
@@ -556,7 +558,16 @@ fn drain_stops_new_connections_and_keeps_existing_ones() {
         None,
         "no new connection while draining: {during:?}"
     );
-    for attempt in held.into_iter().flat_map(|client| client.finish()) {
+    let held: Vec<_> = held
+        .into_iter()
+        .flat_map(|client| client.finish())
+        .collect();
+    assert!(
+        held.iter()
+            .any(|attempt| attempt.served_by.as_deref() == Some("drained")),
+        "some held connection is on the drained backend: {held:?}"
+    );
+    for attempt in held {
         assert_eq!(
             attempt.hold_end.as_deref(),
             Some("timeout"),

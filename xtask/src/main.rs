@@ -110,15 +110,22 @@ fn test(cargo_args: &[String]) -> Result<()> {
     }
     toolchain::install_debian_packages(TEST_PACKAGES)?;
     build_all()?;
+    sweep_leftovers();
     let target = workspace_root().join("target/debug");
     // The scenario suites append their figures here; printed at the end.
     let figures = workspace_root().join("target/scenario-figures.txt");
     let _ = std::fs::remove_file(&figures);
     println!("xtask: running every test (unit, then privileged integration tests)");
+    // One test at a time: the suites measure detection times on a 2-core
+    // machine, and parallel daemons and herds would measure each other.
+    let mut test_args: Vec<String> = cargo_args.to_vec();
+    if !test_args.iter().any(|arg| arg == "--") {
+        test_args.extend(["--".to_string(), "--test-threads=1".to_string()]);
+    }
     run_checked(
         cargo()
             .args(["test", "--workspace"])
-            .args(cargo_args)
+            .args(&test_args)
             .env("SOCKLB_BIN", target.join("socklb"))
             .env("LBCLIENT_BIN", target.join("lbclient"))
             .env("SOCKLB_FIGURES", &figures),
@@ -127,6 +134,65 @@ fn test(cargo_args: &[String]) -> Result<()> {
         println!("xtask: scenario figures\n{text}");
     }
     Ok(())
+}
+
+/// Removes what a test run that was killed (SIGKILL, Ctrl-C) left behind:
+/// pin directories and cgroups named socklb-test-*, and the namespaces of
+/// test clusters. Only those names are touched; a cgroup that still holds a
+/// process is left alone with a warning.
+fn sweep_leftovers() {
+    let socklb_test = |name: &str| name.starts_with("socklb-test-");
+    if let Ok(entries) = std::fs::read_dir("/sys/fs/bpf") {
+        for entry in entries.flatten() {
+            if socklb_test(&entry.file_name().to_string_lossy()) {
+                println!("xtask: removing leftover pins {}", entry.path().display());
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+    }
+    if let Ok(root) = socklb::cgroup::v2_root()
+        && let Ok(entries) = std::fs::read_dir(&root)
+    {
+        for entry in entries.flatten() {
+            if socklb_test(&entry.file_name().to_string_lossy())
+                && remove_cgroup_tree(&entry.path()).is_err()
+            {
+                println!(
+                    "xtask: warning: leftover cgroup {} still has processes",
+                    entry.path().display()
+                );
+            }
+        }
+    }
+    let namespaces = Command::new("ip").args(["netns", "list"]).output();
+    for line in namespaces.iter().flat_map(|output| {
+        String::from_utf8_lossy(&output.stdout)
+            .into_owned()
+            .lines()
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    }) {
+        let name = line.split_whitespace().next().unwrap_or_default();
+        // Test clusters name them socklb-<pid>x<n>-sw and socklb-<pid>x<n>-s<i>.
+        if name.starts_with("socklb-")
+            && name.contains('x')
+            && (name.ends_with("-sw") || name.contains("-s"))
+        {
+            println!("xtask: removing leftover namespace {name}");
+            let _ = Command::new("ip").args(["netns", "del", name]).status();
+        }
+    }
+}
+
+/// Removes a cgroup directory and its children, deepest first.
+fn remove_cgroup_tree(path: &Path) -> std::io::Result<()> {
+    for entry in std::fs::read_dir(path)?.flatten() {
+        if entry.file_type().is_ok_and(|kind| kind.is_dir()) {
+            remove_cgroup_tree(&entry.path())?;
+        }
+    }
+    println!("xtask: removing leftover cgroup {}", path.display());
+    std::fs::remove_dir(path)
 }
 
 pub fn is_root() -> bool {

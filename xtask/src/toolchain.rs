@@ -68,7 +68,11 @@ fn ensure_nightly() -> Result<()> {
     let toolchains = output_of(Command::new("rustup").args(["toolchain", "list"])).context(
         "rustup is needed to build the eBPF crate; install it from your distribution or rustup.rs",
     )?;
-    if toolchains.lines().any(|line| line.starts_with("nightly")) {
+    // The build runs `rustup run nightly`, so the undated channel must be
+    // there; a dated nightly alone does not do.
+    if !toolchains.is_empty()
+        && output_of(Command::new("rustup").args(["run", NIGHTLY, "rustc", "--version"])).is_some()
+    {
         return Ok(());
     }
     println!("xtask: installing the nightly toolchain (the eBPF crate needs -Z build-std)");

@@ -10,7 +10,10 @@ use std::path::PathBuf;
 
 use clap::{Parser, Subcommand};
 use socklb::{
-    cgroup::CgroupError, config::ConfigError, daemon::DaemonError, kernel::DEFAULT_PIN_PATH,
+    cgroup::CgroupError,
+    config::ConfigError,
+    daemon::DaemonError,
+    kernel::{DEFAULT_PIN_PATH, KernelError},
 };
 
 /// Node-local load balancer for control-plane endpoints: connects to a VIP
@@ -51,13 +54,19 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
 
 /// 2 for bad input (config, flags, addresses), 1 for everything else.
 pub fn exit_status(error: &anyhow::Error) -> u8 {
+    let bad_cgroup = |error: &CgroupError| matches!(error, CgroupError::Invalid { .. });
+    let bad_kernel_input = |error: &KernelError| matches!(error, KernelError::NotBpffs(_));
     let bad_input = error.chain().any(|cause| {
         cause.is::<ConfigError>()
-            || cause.is::<CgroupError>()
-            || matches!(
-                cause.downcast_ref::<DaemonError>(),
-                Some(DaemonError::Cgroup(_))
-            )
+            || cause.downcast_ref::<CgroupError>().is_some_and(bad_cgroup)
+            || cause
+                .downcast_ref::<KernelError>()
+                .is_some_and(bad_kernel_input)
+            || match cause.downcast_ref::<DaemonError>() {
+                Some(DaemonError::Cgroup(error)) => bad_cgroup(error),
+                Some(DaemonError::Kernel(error)) => bad_kernel_input(error),
+                _ => false,
+            }
     });
     if bad_input { 2 } else { 1 }
 }

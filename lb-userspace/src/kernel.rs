@@ -735,27 +735,22 @@ fn attach_program(
         path: paths.link(name),
         source,
     };
+    // The two program types share the attach API but no trait for it.
+    macro_rules! attach_and_take_link {
+        ($program:expr) => {{
+            let id = $program
+                .attach(cgroup, CgroupAttachMode::Single)
+                .map_err(program_error)?;
+            $program
+                .take_link(id)
+                .map_err(program_error)?
+                .try_into()
+                .map_err(link_error)
+        }};
+    }
     match ebpf.program_mut(name) {
-        Some(Program::CgroupSockAddr(program)) => {
-            let id = program
-                .attach(cgroup, CgroupAttachMode::Single)
-                .map_err(program_error)?;
-            program
-                .take_link(id)
-                .map_err(program_error)?
-                .try_into()
-                .map_err(link_error)
-        }
-        Some(Program::SockOps(program)) => {
-            let id = program
-                .attach(cgroup, CgroupAttachMode::Single)
-                .map_err(program_error)?;
-            program
-                .take_link(id)
-                .map_err(program_error)?
-                .try_into()
-                .map_err(link_error)
-        }
+        Some(Program::CgroupSockAddr(program)) => attach_and_take_link!(program),
+        Some(Program::SockOps(program)) => attach_and_take_link!(program),
         _ => Err(program_error(ProgramError::UnexpectedProgramType)),
     }
 }

@@ -336,6 +336,21 @@ fn is_local_address(ip: std::net::IpAddr) -> bool {
     std::net::UdpSocket::bind((ip, 0)).is_ok()
 }
 
+/// Registers a ring buffer (or its reader) for readiness; a failure only
+/// costs the feature, which is said once.
+fn readable<T: std::os::fd::AsRawFd>(
+    source: Result<T, String>,
+    without: &str,
+) -> Option<AsyncFd<T>> {
+    let registered = source.and_then(|inner| {
+        // SAFETY: `inner` owns its descriptor and keeps it open and unchanged
+        // until the AsyncFd drops it.
+        unsafe { AsyncFd::register_with_interest(inner, Interest::READABLE) }
+            .map_err(|error| error.to_string())
+    });
+    registered.map_err(|error| warn!("{without}: {error}")).ok()
+}
+
 /// Runs the daemon until SIGTERM or SIGINT.
 pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
     let cgroup_dir = match &options.cgroup {
@@ -428,20 +443,11 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
         if installed.adopted { "adopted the pinned data plane" } else { "installed the data plane" }
     );
 
-    let mut kernel_logs = match aya_log::EbpfLogger::init_from_id(installed.logging_program_id)
-        .map_err(|error| error.to_string())
-        .and_then(|logger| {
-            // SAFETY: the logger owns its ring buffer's descriptor and keeps
-            // it open and unchanged until the AsyncFd drops it.
-            unsafe { AsyncFd::register_with_interest(logger, Interest::READABLE) }
-                .map_err(|error| error.to_string())
-        }) {
-        Ok(logs) => Some(logs),
-        Err(error) => {
-            warn!("kernel program logs will not be forwarded: {error}");
-            None
-        }
-    };
+    let mut kernel_logs = readable(
+        aya_log::EbpfLogger::init_from_id(installed.logging_program_id)
+            .map_err(|error| error.to_string()),
+        "kernel program logs will not be forwarded",
+    );
 
     let (reports_tx, mut reports) = mpsc::channel::<ProbeReport>(1024);
     let mut probed: HashMap<u32, ProbedBackend> = HashMap::new();
@@ -472,20 +478,10 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
         }
     }
     drop(reports_tx);
-    let mut connect_failures = match kernel::open_connect_failures(&paths)
-        .map_err(|error| error.to_string())
-        .and_then(|ring| {
-            // SAFETY: the ring buffer owns its descriptor and keeps it open and
-            // unchanged until the AsyncFd drops it.
-            unsafe { AsyncFd::register_with_interest(ring, Interest::READABLE) }
-                .map_err(|error| error.to_string())
-        }) {
-        Ok(ring) => Some(ring),
-        Err(error) => {
-            warn!("failed connects seen by the kernel will not be acted on: {error}");
-            None
-        }
-    };
+    let mut connect_failures = readable(
+        kernel::open_connect_failures(&paths).map_err(|error| error.to_string()),
+        "failed connects seen by the kernel will not be acted on",
+    );
 
     let mut reconcile = tokio::time::interval(RECONCILE_INTERVAL);
     reconcile.tick().await;

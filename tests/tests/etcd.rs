@@ -69,7 +69,7 @@ fn etcdctl(endpoints: &str, cgroup: Option<&Path>, args: &[&str]) -> Output {
             "--dial-timeout",
             "2s",
             "--command-timeout",
-            "4s",
+            "6s",
         ])
         .args(args)
         .env("ETCDCTL_API", "3")
@@ -144,13 +144,19 @@ fn etcd_behind_the_vip_keeps_serving_when_the_leader_dies() {
         &cgroup.path,
         &[vip],
         &members,
+        // The default timing (every 1 s, timeout 1 s, fall 3): etcd's
+        // /health stalls for the second or so an election takes, and the
+        // survivors must not be taken out (and their connections closed) for
+        // that. The dead member goes at once: its connects are refused.
         &[
             "--health",
             "http:/health",
+            "--health-interval",
+            "1s",
             "--health-timeout",
-            "500ms",
+            "1s",
             "--fall",
-            "2",
+            "3",
             "--rise",
             "2",
         ],

@@ -85,6 +85,20 @@ fn dump_small_maps(pin_path: &Path) -> String {
         .collect()
 }
 
+/// `socklb run` for one VIP and these backends in `cgroup`, once every
+/// backend has been probed healthy.
+fn healthy_daemon(
+    label: &str,
+    cgroup: &Cgroup,
+    vip: SocketAddr,
+    backends: &[SocketAddr],
+    extra: &[&str],
+) -> Daemon {
+    let mut daemon = Daemon::start(label, &service_args(&cgroup.path, &[vip], backends, extra));
+    daemon.wait_health(backends, true, Duration::from_secs(10));
+    daemon
+}
+
 /// A daemon for one VIP and one backend ("b0" on 127.0.0.2), healthy.
 struct OneBackend {
     cgroup: Cgroup,
@@ -98,11 +112,7 @@ fn one_backend(label: &str, extra: &[&str]) -> OneBackend {
     let cgroup = Cgroup::new(label);
     let backend = Backend::start("b0", "127.0.0.2");
     let vip = vip();
-    let mut daemon = Daemon::start(
-        label,
-        &service_args(&cgroup.path, &[vip], &[backend.addr], extra),
-    );
-    daemon.wait_health(&[backend.addr], true, Duration::from_secs(10));
+    let daemon = healthy_daemon(label, &cgroup, vip, &[backend.addr], extra);
     OneBackend {
         cgroup,
         backend,
@@ -117,11 +127,7 @@ fn sigkill_and_restart_while_a_client_connects_fails_no_connect() {
     let cgroup = Cgroup::new("restart");
     let backends = three_backends();
     let vip = vip();
-    let mut daemon = Daemon::start(
-        "restart",
-        &service_args(&cgroup.path, &[vip], &addrs(&backends), &[]),
-    );
-    daemon.wait_health(&addrs(&backends), true, Duration::from_secs(10));
+    let mut daemon = healthy_daemon("restart", &cgroup, vip, &addrs(&backends), &[]);
 
     let mut run = ClientRun::new(vip, Some(&cgroup.path), 600);
     run.interval_ms = 5;
@@ -411,11 +417,7 @@ fn table_swaps_under_churn_never_show_a_half_written_table() {
     let cgroup = Cgroup::new("churn");
     let backends = three_backends();
     let vip = vip();
-    let mut daemon = Daemon::start(
-        "churn",
-        &service_args(&cgroup.path, &[vip], &addrs(&backends), &[]),
-    );
-    daemon.wait_health(&addrs(&backends), true, Duration::from_secs(10));
+    let mut daemon = healthy_daemon("churn", &cgroup, vip, &addrs(&backends), &[]);
     // Stop the daemon (the data plane stays) so that only this test writes.
     daemon.signal(libc::SIGTERM);
     daemon

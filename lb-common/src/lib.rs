@@ -58,6 +58,65 @@ pub const SERVICE_FLAG_LEAST_CONN: u32 = 1 << 3;
 /// Bytes of the `CONNECT_FAILURES` ring buffer.
 pub const CONNECT_FAILURES_BYTES: u32 = 64 * 1024;
 
+/// The names of socklb's maps and programs in the eBPF object. A pin has
+/// the name of what it pins (`link_<program>` for a link). The kernel keeps
+/// 15 bytes of an object name, and every name here fits.
+pub mod names {
+    /// VIP → current selection table.
+    pub const SERVICES: &str = "SERVICES";
+    /// Selection tables, two banks per table.
+    pub const SLOTS: &str = "SLOTS";
+    /// Socket cookie → (VIP, backend) of redirected sockets.
+    pub const REDIRECTS: &str = "REDIRECTS";
+    /// Redirect counters per backend (per CPU).
+    pub const BACKEND_STATS: &str = "BACKEND_STATS";
+    /// "None healthy" counters per table (per CPU).
+    pub const TABLE_STATS: &str = "TABLE_STATS";
+    /// Backend records for status.
+    pub const BACKENDS: &str = "BACKENDS";
+    /// Table records for status.
+    pub const TABLES: &str = "TABLES";
+    /// The daemon's network namespace cookie and cgroup id.
+    pub const SETTINGS: &str = "SETTINGS";
+    /// Live connections and failed connects per backend.
+    pub const BACKEND_CONNS: &str = "BACKEND_CONNS";
+    /// Ring buffer of failed connects.
+    pub const CONNECT_FAILURES: &str = "CONNECT_FAILURES";
+    /// Backends asked to drain.
+    pub const DRAINS: &str = "DRAINS";
+    /// The daemon's heartbeat, identity and repair counters.
+    pub const DAEMON: &str = "DAEMON";
+    /// aya-log's ring buffer. Pinned too, so that every load of the
+    /// programs logs to the one the daemon reads.
+    pub const AYA_LOGS: &str = "AYA_LOGS";
+
+    /// Every map socklb pins, in the order a fresh install creates them.
+    pub const MAPS: [&str; 13] = [
+        SERVICES,
+        SLOTS,
+        REDIRECTS,
+        BACKEND_STATS,
+        TABLE_STATS,
+        BACKENDS,
+        TABLES,
+        SETTINGS,
+        BACKEND_CONNS,
+        CONNECT_FAILURES,
+        DRAINS,
+        DAEMON,
+        AYA_LOGS,
+    ];
+
+    pub const CONNECT4: &str = "socklb_connect4";
+    pub const CONNECT6: &str = "socklb_connect6";
+    pub const GETPEERNAME4: &str = "socklb_getpeername4";
+    pub const GETPEERNAME6: &str = "socklb_getpeername6";
+    pub const SOCKOPS: &str = "socklb_sockops";
+
+    /// Every program socklb attaches, each with one pinned link.
+    pub const PROGRAMS: [&str; 5] = [CONNECT4, CONNECT6, GETPEERNAME4, GETPEERNAME6, SOCKOPS];
+}
+
 /// `BackendInfo::role`: an ordinary backend.
 pub const ROLE_NORMAL: u8 = 0;
 /// `BackendInfo::role`: on this host or marked preferred (prefer-local).
@@ -68,7 +127,7 @@ pub const ROLE_STANDBY: u8 = 2;
 /// An IP address and port, the key of `SERVICES` (a VIP) and the target of a
 /// `BackendSlot`.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Endpoint {
     /// IPv4: word 0 holds the address, words 1..4 are zero. IPv6: all four
     /// words. Network byte order, as in `bpf_sock_addr::user_ip4/user_ip6`.
@@ -167,7 +226,8 @@ pub struct BackendConns {
     /// before the program was attached may close after, and the sum is then
     /// briefly below zero; readers clamp at zero.
     pub live: i64,
-    /// Connects that went from SYN_SENT to CLOSE without establishing.
+    /// Connects that failed with evidence from the server side (a reset,
+    /// or a SYN retransmission timeout); see `ConnectFailure`.
     pub failed_connects: u64,
     /// Failed connects since the last one that established.
     pub consecutive_failures: u32,
@@ -176,15 +236,28 @@ pub struct BackendConns {
 const _: () = assert!(size_of::<BackendConns>() == 24);
 const _: () = assert!(offset_of!(BackendConns, consecutive_failures) == 16);
 
-/// A record of `CONNECT_FAILURES`: one failed connect, for the daemon.
+/// `ConnectFailure::evidence`: the server answered the SYN with a reset
+/// (the socket received a segment, `segs_in > 0`, and never established).
+pub const EVIDENCE_RESET: u32 = 1;
+/// `ConnectFailure::evidence`: the SYN's retransmission timer fired (the
+/// server did not answer within the initial RTO, about 1 s).
+pub const EVIDENCE_SYN_TIMEOUT: u32 = 2;
+
+/// A record of `CONNECT_FAILURES`: a connect that failed with evidence that
+/// the server side failed. A connect that the local application closed
+/// before it finished is never reported.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ConnectFailure {
     pub backend_id: u32,
     /// `BackendConns::consecutive_failures` after this failure.
     pub consecutive_failures: u32,
+    /// `EVIDENCE_*`: what the kernel saw.
+    pub evidence: u32,
+    pub _pad: u32,
 }
-const _: () = assert!(size_of::<ConnectFailure>() == 8);
+const _: () = assert!(size_of::<ConnectFailure>() == 16);
+const _: () = assert!(offset_of!(ConnectFailure, evidence) == 8);
 
 /// Value of `BACKEND_STATS` (per CPU), indexed by backend id.
 #[repr(C)]
@@ -272,6 +345,84 @@ pub struct Settings {
 const _: () = assert!(size_of::<Settings>() == 16);
 const _: () = assert!(offset_of!(Settings, attached_cgroup_id) == 8);
 
+/// Bytes of a path kept in `DaemonRecord`, NUL included.
+pub const PATH_LEN: usize = 256;
+
+/// Kinds of repair counted in `DaemonRecord::repairs`.
+pub mod repair {
+    /// A link pin was removed and is pinned again from the daemon's link.
+    pub const LINK_PIN: usize = 0;
+    /// A link was detached or defunct, and a new one was attached.
+    pub const LINK: usize = 1;
+    /// The cgroup was removed and recreated at its path; links re-attached.
+    pub const CGROUP: usize = 2;
+    /// A map pin was removed and is pinned again from the daemon's map.
+    pub const MAP_PIN: usize = 3;
+    pub const SERVICES: usize = 4;
+    pub const SLOTS: usize = 5;
+    pub const TABLES: usize = 6;
+    pub const BACKENDS: usize = 7;
+    pub const SETTINGS: usize = 8;
+    pub const DRAINS: usize = 9;
+    /// Number of kinds; `DaemonRecord::repairs` has room for more.
+    pub const KINDS: usize = 10;
+    /// Name of each kind, for logs, status and metrics.
+    pub const NAMES: [&str; KINDS] = [
+        "link-pin", "link", "cgroup", "map-pin", "services", "slots", "tables", "backends",
+        "settings", "drains",
+    ];
+}
+
+/// `DaemonRecord::flags`: a daemon runs (cleared when it exits cleanly).
+pub const DAEMON_FLAG_RUNNING: u32 = 1 << 0;
+
+/// The single value of `DAEMON`: the daemon's heartbeat, kept by the
+/// kernel so that `socklb status` can tell a live daemon from a dead one,
+/// and what it attached and repaired. Only userspace reads and writes it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DaemonRecord {
+    /// Process id of the daemon, in its own pid namespace.
+    pub pid: u32,
+    /// `DAEMON_FLAG_*`.
+    pub flags: u32,
+    /// `CLOCK_BOOTTIME` of the last heartbeat, in ns.
+    pub heartbeat_ns: u64,
+    /// `CLOCK_BOOTTIME` when the daemon started, in ns.
+    pub started_ns: u64,
+    /// Id (inode number) of the cgroup the links attach to.
+    pub cgroup_id: u64,
+    /// Generation of the configuration in force (1 for the first).
+    pub config_generation: u64,
+    /// Repairs made since install, indexed by `repair::*`.
+    pub repairs: [u64; 16],
+    /// The cgroup directory the links attach to, UTF-8, NUL padded.
+    pub cgroup_path: [u8; PATH_LEN],
+    /// The pin directory of this install, UTF-8, NUL padded.
+    pub pin_path: [u8; PATH_LEN],
+}
+const _: () = assert!(size_of::<DaemonRecord>() == 40 + 128 + 2 * PATH_LEN);
+const _: () = assert!(offset_of!(DaemonRecord, heartbeat_ns) == 8);
+const _: () = assert!(offset_of!(DaemonRecord, repairs) == 40);
+const _: () = assert!(offset_of!(DaemonRecord, cgroup_path) == 168);
+const _: () = assert!(offset_of!(DaemonRecord, pin_path) == 168 + PATH_LEN);
+
+impl Default for DaemonRecord {
+    fn default() -> Self {
+        Self {
+            pid: 0,
+            flags: 0,
+            heartbeat_ns: 0,
+            started_ns: 0,
+            cgroup_id: 0,
+            config_generation: 0,
+            repairs: [0; 16],
+            cgroup_path: [0; PATH_LEN],
+            pin_path: [0; PATH_LEN],
+        }
+    }
+}
+
 /// What a connect to a VIP does, decided from its service entry and one
 /// random number.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -343,6 +494,7 @@ mod pod {
     unsafe impl aya::Pod for Settings {}
     unsafe impl aya::Pod for BackendConns {}
     unsafe impl aya::Pod for ConnectFailure {}
+    unsafe impl aya::Pod for DaemonRecord {}
 }
 
 #[cfg(test)]

@@ -1,7 +1,8 @@
 //! socklb's kernel side: cgroup connect hooks that send a VIP's connects to a
 //! backend picked from a table the daemon keeps, and getpeername hooks that
 //! show the application the VIP it asked for. A sock_ops program counts the
-//! connections of each backend and reports failed connects.
+//! connections of each backend and reports connects that the server side
+//! failed (a reset, or an unanswered SYN), never one the client abandoned.
 //!
 //! Every entry point is a thin wrapper: it calls a worker and maps the result
 //! to "proceed" (1) or "refuse" (0). Anything that is not a TCP connect to a
@@ -18,8 +19,9 @@ use core::intrinsics::{AtomicOrdering::Relaxed, atomic_xadd};
 use aya_ebpf::{
     EbpfContext,
     bindings::{
-        BPF_ANY, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_STATE_CB,
-        BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB, bpf_sock_addr,
+        BPF_ANY, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_RTO_CB,
+        BPF_SOCK_OPS_RTO_CB_FLAG, BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG,
+        BPF_SOCK_OPS_TCP_CONNECT_CB, bpf_sock_addr, bpf_sock_ops,
     },
     btf_maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
     helpers::generated::{
@@ -31,7 +33,7 @@ use aya_ebpf::{
 use aya_log_ebpf::debug;
 use lb_common::{
     BackendConns, BackendInfo, BackendSlot, BackendStats, CONNECT_FAILURES_BYTES, ConnectFailure,
-    Endpoint, FAMILY_V4, MAX_BACKENDS, MAX_DRAINS, MAX_REDIRECTED_SOCKETS, MAX_SLOTS, MAX_TABLES,
+    DaemonRecord, EVIDENCE_RESET, EVIDENCE_SYN_TIMEOUT, Endpoint, FAMILY_V4, MAX_BACKENDS, MAX_DRAINS, MAX_REDIRECTED_SOCKETS, MAX_SLOTS, MAX_TABLES,
     MAX_VIPS, RedirectedSocket, SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_LEAST_CONN, ServiceEntry,
     Settings, SlotChoice, TableInfo, TableStats, choose_slot, second_is_less_loaded,
 };
@@ -84,8 +86,14 @@ static SETTINGS: Array<Settings, 1> = Array::new();
 #[btf_map]
 static BACKEND_CONNS: Array<BackendConns, { MAX_BACKENDS as usize }> = Array::new();
 
-/// One record per failed connect. Written by sock_ops, read by the daemon,
-/// which takes a backend out after enough failures in a row.
+/// The daemon's heartbeat and identity. Written by the daemon, read by
+/// `socklb status`; the programs never touch it.
+#[btf_map]
+static DAEMON: Array<DaemonRecord, 1> = Array::new();
+
+/// One record per connect that failed with evidence from the server side.
+/// Written by sock_ops, read by the daemon, which then probes the backend
+/// at once to confirm.
 #[btf_map]
 static CONNECT_FAILURES: RingBuf<ConnectFailure, { CONNECT_FAILURES_BYTES as usize }> =
     RingBuf::new();
@@ -385,6 +393,7 @@ fn count_connection(ctx: &SockOpsContext) {
     if op != BPF_SOCK_OPS_TCP_CONNECT_CB
         && op != BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB
         && op != BPF_SOCK_OPS_STATE_CB
+        && op != BPF_SOCK_OPS_RTO_CB
     {
         return;
     }
@@ -401,34 +410,45 @@ fn count_connection(ctx: &SockOpsContext) {
     let consecutive = unsafe { &raw mut (*conns).consecutive_failures };
     match op {
         BPF_SOCK_OPS_TCP_CONNECT_CB => {
-            // Ask for state changes of this socket, to see how it ends.
-            let _ = ctx.set_cb_flags((ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG) as i32);
+            // Ask for state changes of this socket, to see how it ends, and
+            // for retransmission timeouts, to see a SYN go unanswered.
+            let flags = ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_RTO_CB_FLAG;
+            let _ = ctx.set_cb_flags(flags as i32);
         }
-        BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB => unsafe {
-            atomic_xadd::<i64, i64, { Relaxed }>(live, 1);
-            core::ptr::write_volatile(consecutive, 0);
-        },
+        BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB => {
+            unsafe {
+                atomic_xadd::<i64, i64, { Relaxed }>(live, 1);
+                core::ptr::write_volatile(consecutive, 0);
+            }
+            // An established connection's timeouts say nothing about the
+            // server's health here; stop the RTO callbacks.
+            let flags = ctx.cb_flags() & !BPF_SOCK_OPS_RTO_CB_FLAG;
+            let _ = ctx.set_cb_flags(flags as i32);
+        }
+        BPF_SOCK_OPS_RTO_CB => {
+            // Only the first timeout of a SYN: arg 0 is the number of
+            // retransmissions so far. Later ones would count one connect
+            // many times.
+            if sock_ops_field(ctx, |ops| ops.state) == TCP_SYN_SENT && ctx.arg(0) == 0 {
+                report_failure(conns, backend_id, EVIDENCE_SYN_TIMEOUT);
+            }
+        }
         _ => {
             let (old_state, new_state) = (ctx.arg(0), ctx.arg(1));
             if new_state != TCP_CLOSE {
                 return;
             }
             if old_state == TCP_SYN_SENT {
-                // The fetch-add's returned value is not reliable on this
-                // LLVM's BPF backend (it yields the operand), so read the
-                // counter back; a concurrent failure can only make it larger.
-                let consecutive_failures = unsafe {
-                    atomic_xadd::<u64, u64, { Relaxed }>(&raw mut (*conns).failed_connects, 1);
-                    atomic_xadd::<u32, u32, { Relaxed }>(consecutive, 1);
-                    core::ptr::read_volatile(consecutive)
-                };
-                let failure = ConnectFailure {
-                    backend_id,
-                    consecutive_failures,
-                };
-                // If the ring is full the daemon is behind; the counters
-                // above still hold the truth.
-                let _ = CONNECT_FAILURES.output(failure, 0);
+                // A socket that never established received a segment only
+                // if the server reset it. No segment and no retransmission
+                // means the local application closed its own connect,
+                // which never counts against a backend. A SYN that was
+                // retransmitted was reported by its RTO callback already.
+                let segments_in = sock_ops_field(ctx, |ops| ops.segs_in);
+                let retransmits = sock_ops_field(ctx, |ops| ops.total_retrans);
+                if segments_in > 0 && retransmits == 0 {
+                    report_failure(conns, backend_id, EVIDENCE_RESET);
+                }
             } else {
                 unsafe { atomic_xadd::<i64, i64, { Relaxed }>(live, -1) };
             }
@@ -436,6 +456,37 @@ fn count_connection(ctx: &SockOpsContext) {
             let _ = REDIRECTS.remove(cookie);
         }
     }
+}
+
+/// One field of the sock_ops context. The verifier allows 4-byte reads of
+/// these fields for full sockets, which every callback used here has.
+#[inline(always)]
+fn sock_ops_field(ctx: &SockOpsContext, read: impl Fn(&bpf_sock_ops) -> u32) -> u32 {
+    // SAFETY: the kernel hands a valid context for the program's lifetime.
+    read(unsafe { &*ctx.ops })
+}
+
+/// Counts a failed connect with server-side evidence and tells the daemon.
+#[inline(always)]
+fn report_failure(conns: *mut BackendConns, backend_id: u32, evidence: u32) {
+    // The fetch-add's returned value is not reliable on this LLVM's BPF
+    // backend (it yields the operand), so read the counter back; a
+    // concurrent failure can only make it larger.
+    let consecutive_failures = unsafe {
+        atomic_xadd::<u64, u64, { Relaxed }>(&raw mut (*conns).failed_connects, 1);
+        let consecutive = &raw mut (*conns).consecutive_failures;
+        atomic_xadd::<u32, u32, { Relaxed }>(consecutive, 1);
+        core::ptr::read_volatile(consecutive)
+    };
+    let failure = ConnectFailure {
+        backend_id,
+        consecutive_failures,
+        evidence,
+        _pad: 0,
+    };
+    // If the ring is full the daemon is behind; the counters above still
+    // hold the truth.
+    let _ = CONNECT_FAILURES.output(failure, 0);
 }
 
 #[cfg(not(test))]

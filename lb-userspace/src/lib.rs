@@ -6,9 +6,10 @@
 pub mod cgroup;
 pub mod config;
 pub mod daemon;
+pub mod dataplane;
+pub mod errors;
 pub mod health;
-pub mod kernel;
 pub mod planner;
-pub mod probe;
+pub mod privileges;
 pub mod sockets;
 pub mod status;

@@ -2,7 +2,7 @@
 
 mod cli;
 
-use std::process::ExitCode;
+use std::{io::Write, process::ExitCode};
 
 use clap::Parser;
 
@@ -15,11 +15,19 @@ fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        // A log line that cannot be written (stderr closed) is lost, and
+        // the daemon goes on; by default the subscriber would report the
+        // failure with eprintln!, which panics on that same closed stderr.
+        .log_internal_errors(false)
         .init();
     match cli::dispatch(args) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(status) => ExitCode::from(status),
         Err(error) => {
-            eprintln!("socklb: {error:#}");
+            let _ = writeln!(
+                std::io::stderr(),
+                "socklb: {}",
+                socklb::errors::chain(error.as_ref())
+            );
             ExitCode::from(cli::exit_status(&error))
         }
     }

@@ -189,10 +189,8 @@ pub fn expand_weights(members: &[(u32, u32)], capacity: usize) -> Vec<u32> {
     if members.is_empty() {
         return Vec::new();
     }
-    let divisor = members
-        .iter()
-        .fold(0, |acc, &(_, weight)| gcd(acc, weight))
-        .max(1);
+    let weights: Vec<u32> = members.iter().map(|&(_, weight)| weight).collect();
+    let divisor = weight_divisor(&weights);
     let mut counts: Vec<usize> = members
         .iter()
         .map(|&(_, weight)| (weight / divisor) as usize)
@@ -219,6 +217,15 @@ pub fn expand_weights(members: &[(u32, u32)], capacity: usize) -> Vec<u32> {
     }
     list.truncate(capacity);
     list
+}
+
+/// The greatest common divisor of the weights (at least 1): dividing by it
+/// keeps the ratios and uses the fewest slots.
+pub fn weight_divisor(weights: &[u32]) -> u32 {
+    weights
+        .iter()
+        .fold(0, |acc, &weight| gcd(acc, weight))
+        .max(1)
 }
 
 fn gcd(a: u32, b: u32) -> u32 {

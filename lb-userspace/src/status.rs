@@ -1,29 +1,68 @@
-//! `socklb status`: what the pinned maps say, readable with or without a
-//! running daemon.
+//! `socklb status`: what the kernel says, readable with or without a
+//! running daemon. The daemon's liveness comes from the heartbeat it keeps
+//! in a pinned map, and the data plane's state from the kernel itself
+//! (links, their cgroup, the pins, the tables), never from the daemon's
+//! word.
 
-use std::{collections::BTreeMap, fmt};
+use std::{
+    collections::{BTreeMap, HashMap},
+    fmt,
+    os::fd::AsFd,
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use lb_common::{
-    ROLE_PREFERRED, ROLE_STANDBY, SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_LEAST_CONN,
-    SERVICE_FLAG_PREFER_LOCAL, SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY,
+    DAEMON_FLAG_RUNNING, DaemonRecord, PATH_LEN, ROLE_PREFERRED, ROLE_STANDBY,
+    SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_LEAST_CONN, SERVICE_FLAG_PREFER_LOCAL,
+    SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY, SLOTS_PER_LIST, ServiceEntry, repair,
 };
 use serde::Serialize;
 
 use crate::{
-    kernel::{Dataplane, table_name},
+    daemon::boottime_ns,
+    dataplane::{MapStore, PinPaths, sys, tables::table_name},
     planner::socket_addr,
 };
 
+/// A heartbeat older than this means the daemon is not running.
+pub const STALE_AFTER: Duration = Duration::from_secs(3);
+
 #[derive(Debug, Serialize, PartialEq, Eq)]
 pub struct StatusReport {
+    pub daemon: DaemonStatus,
+    pub data_plane: DataPlaneStatus,
     pub services: Vec<ServiceStatus>,
+}
+
+#[derive(Debug, Serialize, PartialEq, Eq)]
+pub struct DaemonStatus {
+    /// A heartbeat within the last few seconds.
+    pub running: bool,
+    pub pid: Option<u32>,
+    pub heartbeat_age_ms: Option<u64>,
+    /// The last daemon exited on SIGTERM or SIGINT (rather than dying).
+    pub exited: bool,
+    pub config_generation: u64,
+}
+
+#[derive(Debug, Serialize, PartialEq, Eq)]
+pub struct DataPlaneStatus {
+    /// Every link is pinned and attached to the cgroup at its path.
+    pub attached: bool,
+    pub cgroup: Option<String>,
+    /// What is wrong, one line each; empty when all is as written.
+    pub problems: Vec<String>,
+    /// Repairs made since install.
+    pub repairs: u64,
+    pub repairs_by_kind: BTreeMap<String, u64>,
 }
 
 #[derive(Debug, Serialize, PartialEq, Eq)]
 pub struct ServiceStatus {
     pub name: String,
     pub vips: Vec<String>,
-    /// Selection policy: "random" or "prefer-local".
+    /// Selection policy: "random", "least-conn" or "prefer-local".
     pub policy: String,
     /// "fail-open" or "reject".
     pub when_none_healthy: String,
@@ -49,33 +88,188 @@ pub struct BackendStatus {
     pub redirects: u64,
     /// Established connections open now (counted by sock_ops).
     pub live: i64,
-    /// Connects that never established.
+    /// Connects that failed on the server side (reset, or SYN unanswered).
     pub failed_connects: u64,
     /// Whether the backend is in the table connects read now.
     pub in_table: bool,
 }
 
-/// Reads the report from the maps.
-pub fn read(dataplane: &Dataplane) -> StatusReport {
+fn path_of(field: &[u8; PATH_LEN]) -> Option<PathBuf> {
+    let end = field.iter().position(|&byte| byte == 0).unwrap_or(PATH_LEN);
+    (end > 0).then(|| PathBuf::from(String::from_utf8_lossy(&field[..end]).into_owned()))
+}
+
+fn daemon_status(record: Option<&DaemonRecord>, now_ns: u64) -> DaemonStatus {
+    let Some(record) = record.filter(|record| record.pid != 0) else {
+        return DaemonStatus {
+            running: false,
+            pid: None,
+            heartbeat_age_ms: None,
+            exited: false,
+            config_generation: 0,
+        };
+    };
+    let age = Duration::from_nanos(now_ns.saturating_sub(record.heartbeat_ns));
+    let flagged = record.flags & DAEMON_FLAG_RUNNING != 0;
+    DaemonStatus {
+        running: flagged && age < STALE_AFTER,
+        pid: Some(record.pid),
+        heartbeat_age_ms: Some(age.as_millis() as u64),
+        exited: !flagged,
+        config_generation: record.config_generation,
+    }
+}
+
+/// What is wrong with the links, the cgroup and the pins, seen from the
+/// kernel alone.
+fn link_problems(paths: &PinPaths, cgroup_path: Option<&Path>, cgroup_id: u64) -> Vec<String> {
+    let mut problems = Vec::new();
+    if let Some(path) = cgroup_path {
+        match crate::dataplane::CgroupTarget::current_id(path) {
+            None => problems.push(format!("the cgroup {} is gone", path.display())),
+            Some(id) if id != cgroup_id => problems.push(format!(
+                "the cgroup {} was created again (id {cgroup_id} → {id}); the links attach to the old one",
+                path.display()
+            )),
+            Some(_) => {}
+        }
+    }
+    for (program, path) in paths.links() {
+        let Ok(fd) = sys::open_pinned(&path) else {
+            problems.push(format!(
+                "the link of {program} is not pinned ({})",
+                path.display()
+            ));
+            continue;
+        };
+        match sys::link_info(fd.as_fd()) {
+            Ok(info) if info.cgroup_id == 0 => {
+                problems.push(format!("the link of {program} is detached"))
+            }
+            Ok(info) if info.cgroup_id != cgroup_id => problems.push(format!(
+                "the link of {program} attaches to cgroup id {}, not {cgroup_id}",
+                info.cgroup_id
+            )),
+            Ok(_) => {}
+            Err(error) => problems.push(format!("the link of {program}: {error}")),
+        }
+    }
+    for (name, path) in paths.maps() {
+        if !path.exists() {
+            problems.push(format!("the map {name} is not pinned ({})", path.display()));
+        }
+    }
+    problems
+}
+
+/// Slots whose target is not the backend they are counted for: traffic
+/// would go one place while status credits another.
+fn slot_problems(
+    store: &dyn MapStore,
+    entries: &[(lb_common::Endpoint, ServiceEntry)],
+    targets: &HashMap<u32, lb_common::Endpoint>,
+) -> Vec<String> {
+    let mut problems = Vec::new();
+    let mut seen = std::collections::BTreeSet::new();
+    for (_, entry) in entries {
+        if !seen.insert((entry.table_id, entry.bank_base)) {
+            continue;
+        }
+        let lists = [
+            (entry.bank_base, entry.healthy_slots.min(SLOTS_PER_LIST)),
+            (
+                entry.bank_base + SLOTS_PER_LIST,
+                entry.all_slots.min(SLOTS_PER_LIST),
+            ),
+        ];
+        for (first, count) in lists {
+            let Ok(slots) = store.slots(first, count) else {
+                continue;
+            };
+            let wrong = slots
+                .iter()
+                .filter(|slot| targets.get(&slot.backend_id) != Some(&slot.target))
+                .count();
+            if wrong > 0 {
+                problems.push(format!(
+                    "table {}: {wrong} slots send connects somewhere other than the backend they are counted for",
+                    entry.table_id
+                ));
+            }
+        }
+    }
+    problems
+}
+
+/// Reads the report from the maps and the kernel.
+pub fn read(store: &dyn MapStore, paths: &PinPaths) -> StatusReport {
+    let record = store.daemon().ok();
+    let daemon = daemon_status(record.as_ref(), boottime_ns());
+    let settings = store.settings().unwrap_or_default();
+    let cgroup_path = record
+        .as_ref()
+        .and_then(|record| path_of(&record.cgroup_path));
+    let cgroup_id = record
+        .as_ref()
+        .map(|record| record.cgroup_id)
+        .filter(|id| *id != 0)
+        .unwrap_or(settings.attached_cgroup_id);
+    let mut problems = link_problems(paths, cgroup_path.as_deref(), cgroup_id);
+    let attached = problems.is_empty();
+    let backend_records = store.backends().unwrap_or_default();
+    let entries = store.services().unwrap_or_default();
+    let targets: HashMap<u32, lb_common::Endpoint> = backend_records
+        .iter()
+        .map(|(id, info)| (*id, info.target))
+        .collect();
+    problems.extend(slot_problems(store, &entries, &targets));
+    if !daemon.running {
+        problems.push(match daemon.heartbeat_age_ms {
+            Some(age) => format!(
+                "the daemon is not running (last heartbeat {} ago); health verdicts are frozen",
+                age_words(age)
+            ),
+            None => "no daemon has run this install; health verdicts are frozen".into(),
+        });
+    }
+    let repairs = record.map(|record| record.repairs).unwrap_or([0; 16]);
+    let data_plane = DataPlaneStatus {
+        attached,
+        cgroup: cgroup_path.map(|path| path.display().to_string()),
+        problems,
+        repairs: repairs.iter().sum(),
+        repairs_by_kind: repair::NAMES
+            .iter()
+            .zip(repairs)
+            .filter(|(_, count)| *count > 0)
+            .map(|(name, count)| ((*name).to_string(), count))
+            .collect(),
+    };
+    StatusReport {
+        daemon,
+        data_plane,
+        services: services(store, &entries, backend_records),
+    }
+}
+
+fn services(
+    store: &dyn MapStore,
+    entries: &[(lb_common::Endpoint, ServiceEntry)],
+    backend_records: Vec<(u32, lb_common::BackendInfo)>,
+) -> Vec<ServiceStatus> {
     let mut services: BTreeMap<String, ServiceStatus> = BTreeMap::new();
     let mut table_service = BTreeMap::new();
-    let mut tables = dataplane.table_records();
+    let mut tables = store.tables().unwrap_or_default();
     tables.sort_by_key(|(id, _)| *id);
     for (table_id, info) in &tables {
         let name = table_name(info);
-        let stats = dataplane.table_stats(*table_id);
+        let stats = store.table_stats(*table_id);
         let service = services
             .entry(name.clone())
             .or_insert_with(|| ServiceStatus {
                 name: name.clone(),
                 vips: Vec::new(),
-                policy: if info.flags & SERVICE_FLAG_PREFER_LOCAL != 0 {
-                    "prefer-local".into()
-                } else if info.flags & SERVICE_FLAG_LEAST_CONN != 0 {
-                    "least-conn".into()
-                } else {
-                    "random".into()
-                },
+                policy: policy_name(info.flags).into(),
                 when_none_healthy: if info.flags & SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY != 0 {
                     "reject".into()
                 } else {
@@ -90,7 +284,6 @@ pub fn read(dataplane: &Dataplane) -> StatusReport {
         service.rejected += stats.rejected;
         table_service.insert(*table_id, name);
     }
-    let entries = dataplane.service_entries();
     let mut vips: Vec<(u32, String)> = entries
         .iter()
         .filter_map(|(vip, entry)| Some((entry.table_id, socket_addr(vip)?.to_string())))
@@ -104,21 +297,25 @@ pub fn read(dataplane: &Dataplane) -> StatusReport {
             service.vips.push(vip);
         }
     }
-    let mut backends = dataplane.backend_records();
-    backends.sort_by_key(|(id, _)| *id);
-    for (backend_id, info) in backends {
+    let mut in_table: HashMap<u32, std::collections::HashSet<u32>> = HashMap::new();
+    for (_, entry) in entries {
+        let ids = store
+            .slots(entry.bank_base, entry.healthy_slots.min(SLOTS_PER_LIST))
+            .unwrap_or_default()
+            .into_iter()
+            .map(|slot| slot.backend_id);
+        in_table.entry(entry.table_id).or_default().extend(ids);
+    }
+    let mut backend_records = backend_records;
+    backend_records.sort_by_key(|(id, _)| *id);
+    for (backend_id, info) in backend_records {
         let Some(service) = table_service
             .get(&info.table_id)
             .and_then(|name| services.get_mut(name))
         else {
             continue;
         };
-        let conns = dataplane.connections(backend_id);
-        // What connects read now: the slots of the healthy list.
-        let in_table = entries
-            .iter()
-            .find(|(_, entry)| entry.table_id == info.table_id)
-            .is_some_and(|(_, entry)| dataplane.healthy_backend_ids(entry).contains(&backend_id));
+        let conns = store.connections(backend_id);
         service.backends.push(BackendStatus {
             addr: socket_addr(&info.target).map_or_else(|| "?".into(), |addr| addr.to_string()),
             healthy: info.healthy != 0,
@@ -131,19 +328,132 @@ pub fn read(dataplane: &Dataplane) -> StatusReport {
             }
             .into(),
             weight: info.weight,
-            redirects: dataplane.redirects(backend_id),
+            redirects: store.redirects(backend_id),
             live: conns.live,
             failed_connects: conns.failed_connects,
-            in_table,
+            in_table: in_table
+                .get(&info.table_id)
+                .is_some_and(|ids| ids.contains(&backend_id)),
         });
     }
-    StatusReport {
-        services: services.into_values().collect(),
+    services.into_values().collect()
+}
+
+fn policy_name(flags: u32) -> &'static str {
+    if flags & SERVICE_FLAG_PREFER_LOCAL != 0 {
+        "prefer-local"
+    } else if flags & SERVICE_FLAG_LEAST_CONN != 0 {
+        "least-conn"
+    } else {
+        "random"
+    }
+}
+
+/// "0.4 s", "2 min", "3 h".
+fn age_words(ms: u64) -> String {
+    match ms {
+        0..10_000 => format!("{:.1} s", ms as f64 / 1000.0),
+        10_000..120_000 => format!("{} s", ms / 1000),
+        120_000..7_200_000 => format!("{} min", ms / 60_000),
+        _ => format!("{} h", ms / 3_600_000),
+    }
+}
+
+/// Why `status --check` fails, in the order it is judged; the exit status
+/// is that of the first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CheckFailure {
+    /// Exit 3.
+    DaemonNotRunning,
+    /// Exit 4.
+    NotAttached,
+    /// Exit 5: the service has no healthy backend.
+    NoHealthyBackend(String),
+}
+
+impl CheckFailure {
+    pub fn exit_status(&self) -> u8 {
+        match self {
+            Self::DaemonNotRunning => 3,
+            Self::NotAttached => 4,
+            Self::NoHealthyBackend(_) => 5,
+        }
+    }
+}
+
+impl fmt::Display for CheckFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::DaemonNotRunning => write!(f, "the daemon is not running"),
+            Self::NotAttached => write!(f, "the data plane is not attached"),
+            Self::NoHealthyBackend(service) => {
+                write!(f, "service {service} has no healthy backend")
+            }
+        }
+    }
+}
+
+impl StatusReport {
+    /// What `status --check` requires: a running daemon, an attached data
+    /// plane, and a healthy backend in every service.
+    pub fn check(&self) -> Vec<CheckFailure> {
+        let mut failures = Vec::new();
+        if !self.daemon.running {
+            failures.push(CheckFailure::DaemonNotRunning);
+        }
+        if !self.data_plane.attached {
+            failures.push(CheckFailure::NotAttached);
+        }
+        for service in &self.services {
+            if !service
+                .backends
+                .iter()
+                .any(|backend| backend.healthy && !backend.draining)
+            {
+                failures.push(CheckFailure::NoHealthyBackend(service.name.clone()));
+            }
+        }
+        failures
     }
 }
 
 impl fmt::Display for StatusReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (&self.daemon, self.daemon.pid) {
+            (daemon, Some(pid)) if daemon.running => writeln!(
+                f,
+                "daemon: running (pid {pid}, heartbeat {} ago)",
+                age_words(daemon.heartbeat_age_ms.unwrap_or(0))
+            )?,
+            (daemon, Some(_)) => writeln!(
+                f,
+                "daemon: NOT RUNNING — {} {} ago; health verdicts are frozen",
+                if daemon.exited {
+                    "exited"
+                } else {
+                    "last heartbeat"
+                },
+                age_words(daemon.heartbeat_age_ms.unwrap_or(0))
+            )?,
+            _ => writeln!(f, "daemon: NOT RUNNING — no daemon has run this install")?,
+        }
+        writeln!(
+            f,
+            "data plane: {}{}, {} repairs",
+            if self.data_plane.attached {
+                "attached"
+            } else {
+                "NOT ATTACHED"
+            },
+            self.data_plane
+                .cgroup
+                .as_ref()
+                .map_or(String::new(), |cgroup| format!(" to {cgroup}")),
+            self.data_plane.repairs
+        )?;
+        for problem in &self.data_plane.problems {
+            writeln!(f, "  problem: {problem}")?;
+        }
         if self.services.is_empty() {
             return writeln!(f, "no services");
         }
@@ -185,5 +495,45 @@ impl fmt::Display for StatusReport {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_stale_or_cleared_heartbeat_is_not_running() {
+        let record = |flags, heartbeat_ns| DaemonRecord {
+            pid: 42,
+            flags,
+            heartbeat_ns,
+            ..DaemonRecord::default()
+        };
+        let now = 100_000_000_000;
+        let cases = [
+            (
+                "fresh",
+                record(DAEMON_FLAG_RUNNING, now - 400_000_000),
+                true,
+            ),
+            (
+                "stale",
+                record(DAEMON_FLAG_RUNNING, now - 4_000_000_000),
+                false,
+            ),
+            ("exited", record(0, now - 100_000_000), false),
+        ];
+        for (what, record, running) in cases {
+            assert_eq!(daemon_status(Some(&record), now).running, running, "{what}");
+        }
+        assert!(!daemon_status(None, now).running);
+    }
+
+    #[test]
+    fn ages_read_naturally() {
+        assert_eq!(age_words(400), "0.4 s");
+        assert_eq!(age_words(65_000), "65 s");
+        assert_eq!(age_words(150_000), "2 min");
     }
 }

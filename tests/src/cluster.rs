@@ -113,6 +113,15 @@ impl Server {
         self.spawn(true);
     }
 
+    /// Makes the running server hang in place (SIGUSR1): it keeps accepting
+    /// TCP and answers nothing, with no moment of refused connects.
+    pub fn hang_in_place(&self) {
+        let child = self.process.as_ref().expect("the server runs");
+        // SAFETY: kill(2) on the PID of a child we started and still own
+        // (`ip netns exec` replaces itself with the server).
+        unsafe { libc::kill(child.id() as i32, libc::SIGUSR1) };
+    }
+
     /// Kills the server process (SIGKILL, by the PID we started).
     pub fn kill(&mut self) {
         if let Some(mut child) = self.process.take() {
@@ -128,6 +137,16 @@ impl Server {
             "iptables", "-A", "INPUT", "-p", "tcp", "--syn", "--dport", &port, "-j", "DROP",
         ]);
         self.blackholed = true;
+    }
+
+    /// Drops incoming SYNs that arrive with this IP TTL, as a distant
+    /// network would delay them: a connect with that TTL stays in SYN_SENT.
+    pub fn drop_syns_with_ttl(&mut self, ttl: u8) {
+        let (port, ttl) = (SERVER_PORT.to_string(), ttl.to_string());
+        self.exec(&[
+            "iptables", "-A", "INPUT", "-p", "tcp", "--syn", "--dport", &port, "-m", "ttl",
+            "--ttl-eq", &ttl, "-j", "DROP",
+        ]);
     }
 
     pub fn unblackhole(&mut self) {

@@ -590,7 +590,7 @@ pub fn backend_field(
 impl Drop for Daemon {
     fn drop(&mut self) {
         self.kill();
-        let _ = socklb::kernel::remove_pins(&socklb::kernel::PinPaths::new(&self.pin_path));
+        let _ = socklb::dataplane::remove_pins(&socklb::dataplane::PinPaths::new(&self.pin_path));
         if std::thread::panicking() {
             eprintln!("socklb log ({}):\n{}", self.log_path.display(), self.log());
         }
@@ -628,4 +628,85 @@ pub fn service_args(
     }
     args.extend(extra.iter().map(ToString::to_string));
     args
+}
+
+/// The `connclient` helper (see its documentation): a hostile client that
+/// aborts its own connects, or one that holds connections open.
+pub struct ConnClient {
+    child: Option<Child>,
+}
+
+impl ConnClient {
+    fn command(mode: &str, vip: SocketAddr, cgroup: &Path, count: u32) -> Command {
+        let mut command = Command::new(lbclient_bin().with_file_name("connclient"));
+        command
+            .arg(mode)
+            .args(["--addr", &vip.to_string(), "--count", &count.to_string()])
+            .arg("--cgroup")
+            .arg(cgroup)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        command
+    }
+
+    /// Runs the hostile client to completion (as uid 65534): `count`
+    /// connects with this TTL, each closed after `abort_after`. Returns its
+    /// summary line.
+    pub fn abort(
+        vip: SocketAddr,
+        cgroup: &Path,
+        count: u32,
+        ttl: u8,
+        abort_after: Duration,
+    ) -> serde_json::Value {
+        let output = Self::command("--abort", vip, cgroup, count)
+            .args(["--ttl", &ttl.to_string()])
+            .args(["--abort-ms", &abort_after.as_millis().to_string()])
+            .output()
+            .unwrap_or_else(|error| panic!("running connclient: {error}"));
+        assert!(
+            output.status.success(),
+            "connclient --abort: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        serde_json::from_slice(&output.stdout).expect("connclient summary")
+    }
+
+    /// Starts holding `count` connections for `hold`.
+    pub fn hold(vip: SocketAddr, cgroup: &Path, count: u32, hold: Duration) -> Self {
+        let child = Self::command("--hold", vip, cgroup, count)
+            .args(["--hold-ms", &hold.as_millis().to_string()])
+            .spawn()
+            .unwrap_or_else(|error| panic!("starting connclient: {error}"));
+        Self { child: Some(child) }
+    }
+
+    /// Waits for the end of the hold; one JSON value per connection.
+    pub fn finish(mut self) -> Vec<serde_json::Value> {
+        let output = self
+            .child
+            .take()
+            .expect("running")
+            .wait_with_output()
+            .expect("connclient");
+        assert!(
+            output.status.success(),
+            "connclient --hold: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .map(|line| serde_json::from_str(line).expect("connclient line"))
+            .collect()
+    }
+}
+
+impl Drop for ConnClient {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
 }

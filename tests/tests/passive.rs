@@ -8,8 +8,8 @@ use std::{
 };
 
 use socklb_tests::{
-    Backend, Cgroup, ClientRun, Daemon, backend_field, free_port, require_root, service_args,
-    spread,
+    Backend, Cgroup, ClientRun, ConnClient, Daemon, backend_field, cluster::Cluster, free_port,
+    require_root, service_args, spread,
 };
 
 fn live(status: &serde_json::Value, backend: &Backend) -> i64 {
@@ -98,22 +98,22 @@ fn least_conn_balances_live_connections_and_status_counts_them() {
     });
 }
 
+/// A backend that really stops resets every connect; the kernel reports
+/// the first reset, a confirming probe is refused at once, and the backend
+/// leaves long before its next scheduled probe (5 s away).
 #[test]
-fn failed_connects_take_a_backend_out_before_the_next_probe() {
+fn a_stopped_backend_leaves_through_the_passive_path() {
     require_root();
     let cgroup = Cgroup::new("passive");
     let mut failing = Backend::start("failing", "127.0.0.2");
     let steady = Backend::start("steady", "127.0.0.3");
     let vip = SocketAddr::from(([127, 0, 0, 1], free_port()));
-    // Probes every 5 s: far too slow to explain a reaction within the test.
     let extra = [
         "--health-interval",
         "5s",
         "--health-down-interval",
         "200ms",
         "--rise",
-        "2",
-        "--connect-failures",
         "2",
     ];
     let mut daemon = Daemon::start(
@@ -126,14 +126,16 @@ fn failed_connects_take_a_backend_out_before_the_next_probe() {
     let stopped = Instant::now();
     let mut run = ClientRun::new(vip, Some(&cgroup.path), 60);
     run.interval_ms = 5;
-    let attempts = run.run();
-    daemon.wait_health(&[failing.addr], false, Duration::from_secs(1));
+    let client = run.spawn();
+    let out_after = daemon.wait_health(&[failing.addr], false, Duration::from_secs(2));
+    let attempts = client.finish();
     let errors = attempts.iter().filter(|attempt| !attempt.ok).count();
-    eprintln!(
-        "passive: {errors} of 60 connects (5 ms apart) failed before the backend left the table"
-    );
+    socklb_tests::record_figures(&format!(
+        "passive: a stopped backend left the table {} ms after it stopped (probes every 5 s); {errors} of 60 connects (5 ms apart) failed before",
+        stopped.elapsed().min(out_after).as_millis()
+    ));
     assert!(
-        (2..=8).contains(&errors),
+        (1..=8).contains(&errors),
         "{errors} connects failed: {:?}",
         spread(&attempts)
     );
@@ -145,22 +147,20 @@ fn failed_connects_take_a_backend_out_before_the_next_probe() {
         spread(&attempts[30..])
     );
     assert!(
-        stopped.elapsed() < Duration::from_secs(3),
-        "well before the next probe"
-    );
-    assert!(daemon.log_shows(
-        &format!(
-            "{} unhealthy: 2 failed connects in a row (2/2)",
-            failing.addr
+        daemon.log_shows(
+            &format!("{} unhealthy: connect refused, confirming", failing.addr),
+            Duration::from_secs(2)
         ),
-        Duration::from_secs(2)
-    ));
+        "taken out by the confirming probe:\n{}",
+        daemon.log()
+    );
+    assert!(daemon.log().contains("reset by the server"));
     let status = daemon.status().expect("status");
     let failed = backend_field(&status, &failing.addr.to_string(), "failed_connects");
     assert!(
         failed
             .and_then(|value| value.as_u64())
-            .is_some_and(|count| count >= 2)
+            .is_some_and(|count| count >= 1)
     );
 
     // It returns only once the probe has passed `rise` times.
@@ -170,4 +170,146 @@ fn failed_connects_take_a_backend_out_before_the_next_probe() {
         &format!("{} healthy: connect ok (2/2)", failing.addr),
         Duration::from_secs(2)
     ));
+}
+
+/// A server that drops every SYN sends no reset; the kernel reports the
+/// SYN's retransmission timeout (about 1 s), and the confirming probe times
+/// out: the backend leaves within the RTO plus one probe timeout, with
+/// probes scheduled only every 5 s.
+#[test]
+fn a_blackholed_backend_leaves_through_the_syn_timeout() {
+    let mut cluster = Cluster::new(2);
+    let cgroup = Cgroup::new("blackhole");
+    let vip = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let extra = [
+        "--health-interval",
+        "5s",
+        "--health-timeout",
+        "500ms",
+        "--health-down-interval",
+        "200ms",
+    ];
+    let mut daemon = Daemon::start(
+        "blackhole",
+        &service_args(&cgroup.path, &[vip], &cluster.addrs(), &extra),
+    );
+    daemon.wait_health(&cluster.addrs(), true, Duration::from_secs(10));
+    let holed = cluster.servers[0].addr;
+    cluster.servers[0].blackhole();
+    let started = Instant::now();
+    // Eight connects at once: some land on the holed server and hang in
+    // SYN_SENT.
+    let client = ConnClient::hold(vip, &cgroup.path, 8, Duration::from_secs(1));
+    let out_after = daemon.wait_health(&[holed], false, Duration::from_secs(6));
+    drop(client);
+    socklb_tests::record_figures(&format!(
+        "passive: a blackholed backend left the table {} ms after the blackhole began (SYN RTO about 1 s, probe timeout 500 ms, probes every 5 s)",
+        started.elapsed().min(out_after).as_millis()
+    ));
+    assert!(
+        daemon.log_shows("SYN unanswered for the initial RTO", Duration::from_secs(2)),
+        "taken out through the SYN timeout:\n{}",
+        daemon.log()
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "before the next scheduled probe"
+    );
+}
+
+/// The reproduction of the forged signal: an unprivileged process in the
+/// cgroup opens connects that sit in SYN_SENT (its TTL is dropped on the
+/// way) and closes each after 50 ms, 8 per backend. Before the fix, two
+/// such closes took a backend out and close-on-failure aborted every
+/// connection to it. Now none counts, nothing leaves, nothing is closed.
+/// The same process holding its connects past the SYN's RTO makes the
+/// kernel report timeouts; the confirming probes pass, and still nothing
+/// changes.
+#[test]
+fn a_local_user_cannot_forge_the_passive_signal() {
+    const TTL: u8 = 42;
+    let mut cluster = Cluster::without_servers();
+    for _ in 0..3 {
+        let index = cluster.add_namespace();
+        cluster.servers[index].hang();
+        cluster.servers[index].drop_syns_with_ttl(TTL);
+    }
+    let cgroup = Cgroup::new("forge");
+    let vip = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let addrs = cluster.addrs();
+    let mut daemon = Daemon::start(
+        "forge",
+        &service_args(&cgroup.path, &[vip], &addrs, &["--health", "tcp"]),
+    );
+    daemon.wait_health(&addrs, true, Duration::from_secs(10));
+
+    let holders = ConnClient::hold(vip, &cgroup.path, 30, Duration::from_secs(12));
+    daemon.wait_for("30 live connections", Duration::from_secs(5), |status| {
+        addrs
+            .iter()
+            .map(|addr| {
+                backend_field(status, &addr.to_string(), "live")
+                    .and_then(|value| value.as_i64())
+                    .unwrap_or(0)
+            })
+            .sum::<i64>()
+            == 30
+    });
+
+    let quick = ConnClient::abort(vip, &cgroup.path, 24, TTL, Duration::from_millis(50));
+    assert_eq!(quick["uid"], 65534, "the hostile process has no privilege");
+    assert_eq!(quick["in_progress"], 24, "every connect sat in SYN_SENT");
+    let status = daemon.status().expect("status");
+    let counted: u64 = addrs
+        .iter()
+        .filter_map(|addr| backend_field(&status, &addr.to_string(), "failed_connects"))
+        .filter_map(|value| value.as_u64())
+        .sum();
+    assert_eq!(counted, 0, "a client closing its own connect never counts");
+
+    let slow = ConnClient::abort(vip, &cgroup.path, 6, TTL, Duration::from_millis(1500));
+    assert_eq!(slow["in_progress"], 6);
+    daemon.wait_for(
+        "SYN timeouts reported by the kernel",
+        Duration::from_secs(5),
+        |status| {
+            addrs
+                .iter()
+                .filter_map(|addr| backend_field(status, &addr.to_string(), "failed_connects"))
+                .filter_map(|value| value.as_u64())
+                .sum::<u64>()
+                >= 1
+        },
+    );
+    assert!(
+        daemon.log_shows("a probe passed after", Duration::from_secs(3)),
+        "the confirming probes ran and passed:\n{}",
+        daemon.log()
+    );
+    let held = holders.finish();
+    let status = daemon.status().expect("status");
+    for addr in &addrs {
+        assert_eq!(
+            backend_field(&status, &addr.to_string(), "in_table"),
+            Some(serde_json::json!(true)),
+            "{addr} never left:\n{}",
+            daemon.log()
+        );
+    }
+    assert!(
+        !daemon.log().contains("unhealthy"),
+        "no transition at all:\n{}",
+        daemon.log()
+    );
+    let ends: Vec<&str> = held
+        .iter()
+        .map(|line| line["end"].as_str().unwrap_or("?"))
+        .collect();
+    assert!(
+        ends.iter().all(|end| *end == "open"),
+        "no held connection was closed: {ends:?}"
+    );
+    socklb_tests::record_figures(
+        "passive: a hostile uid 65534 made 24 connects closed in SYN_SENT and 6 held past the RTO: 0 backends out, 0 of 30 held connections closed",
+    );
 }

@@ -287,7 +287,7 @@ fn scenario_6_a_server_that_accepts_and_hangs() {
     // Requests every 20 ms, some of them on connections to s1 when it hangs.
     let agents = scenario.agents("/readyz", 200, 20).spawn(AGENTS);
     std::thread::sleep(Duration::from_millis(500));
-    scenario.cluster.servers[1].hang();
+    scenario.cluster.servers[1].hang_in_place();
     let hung_at = Instant::now();
     let out = scenario.wait(1, false);
     let requests = finish_all(agents);

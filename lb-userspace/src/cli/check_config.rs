@@ -11,8 +11,8 @@ pub struct CheckConfigArgs {
     file: PathBuf,
 }
 
-pub fn check_config(args: CheckConfigArgs) -> anyhow::Result<()> {
+pub fn check_config(args: CheckConfigArgs) -> super::Outcome {
     let config = config::load_file(&args.file)?;
-    print!("{config}");
-    Ok(())
+    super::print(&config.to_string());
+    Ok(0)
 }

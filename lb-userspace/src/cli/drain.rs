@@ -2,13 +2,21 @@ use std::net::SocketAddr;
 
 use anyhow::{Context, bail};
 use socklb::{
-    kernel::{self, Dataplane, PinPaths},
+    config::{ConfigError, FieldError},
+    daemon::control::{self, Request},
+    dataplane::{
+        KernelError, MapStore, PinPaths, install,
+        lock::{self, RunPaths},
+        pins,
+    },
     planner::{endpoint, socket_addr},
+    privileges,
 };
 
 /// Stop sending new connections to a backend and leave its existing ones
-/// alone (or, with --undo, take it back). The running daemon applies it
-/// within a second; a daemon started later applies it too.
+/// alone (or, with --undo, take it back). A running daemon applies it at
+/// once; without one it is recorded and applied when a daemon starts.
+/// Undoing a drain that is not in force changes nothing and succeeds.
 ///
 /// Example: socklb drain 10.0.0.12:6443
 #[derive(Debug, clap::Args)]
@@ -22,49 +30,84 @@ pub struct DrainArgs {
     pin: super::PinPathArg,
 }
 
-pub fn drain(args: DrainArgs) -> anyhow::Result<()> {
+fn bad_backend(problem: String) -> ConfigError {
+    ConfigError::Invalid(vec![FieldError {
+        field: "BACKEND".into(),
+        problem,
+    }])
+}
+
+pub fn drain(args: DrainArgs) -> super::Outcome {
     let addr: SocketAddr = args.backend.parse().map_err(|_| {
-        socklb::config::ConfigError::Invalid(vec![socklb::config::FieldError {
-            field: "BACKEND".into(),
-            problem: format!("{:?} is not ADDR:PORT (IPv6 as [ADDR]:PORT)", args.backend),
-        }])
+        bad_backend(format!(
+            "{:?} is not ADDR:PORT (IPv6 as [ADDR]:PORT)",
+            args.backend
+        ))
     })?;
+    privileges::require("drain", &privileges::ALL)?;
     let paths = PinPaths::new(&args.pin.pin_path);
-    let mut dataplane = Dataplane::open_pinned(&paths)?;
+    pins::check_pin_dir(&paths)?;
+    match lock::lock(&paths) {
+        Ok(_lock) => drain_without_daemon(&paths, addr, args.undo),
+        Err(KernelError::Locked { pid, .. }) => {
+            let request = Request::Drain {
+                backend: addr.to_string(),
+                undo: args.undo,
+            };
+            let socket = RunPaths::of(&paths).control;
+            let reply = control::ask(&socket, &request).with_context(|| {
+                format!(
+                    "the daemon (pid {pid}) holds the install but does not answer on {}",
+                    socket.display()
+                )
+            })?;
+            if !reply.ok {
+                bail!(bad_backend(
+                    reply.message.trim_start_matches("BACKEND: ").to_string()
+                ));
+            }
+            super::print(&format!("{}\n", reply.message));
+            Ok(0)
+        }
+        Err(error) => Err(error.into()),
+    }
+}
+
+/// Records the request in the pinned maps, under the install lock; the
+/// next daemon applies it.
+fn drain_without_daemon(paths: &PinPaths, addr: SocketAddr, undo: bool) -> super::Outcome {
+    let mut maps = install::open_pinned(paths)?;
     let target = endpoint(&addr);
-    let known = dataplane
-        .backend_records()
-        .iter()
-        .any(|(_, info)| info.target == target);
-    if !known && !args.undo {
-        let backends: Vec<String> = dataplane
-            .backend_records()
+    let draining = maps.drains()?.contains(&target);
+    if undo {
+        if !draining {
+            super::print(&format!("{addr} is not draining; nothing to do\n"));
+            return Ok(0);
+        }
+        maps.delete_drain(&target)?;
+        super::print(&format!(
+            "{addr}: no longer draining; no daemon is running, it applies when one starts\n"
+        ));
+        return Ok(0);
+    }
+    let records = maps.backends()?;
+    if !records.iter().any(|(_, info)| info.target == target) {
+        let known: Vec<String> = records
             .iter()
             .filter_map(|(_, info)| socket_addr(&info.target).map(|addr| addr.to_string()))
             .collect();
-        bail!(socklb::config::ConfigError::Invalid(vec![
-            socklb::config::FieldError {
-                field: "BACKEND".into(),
-                problem: format!(
-                    "{addr} is not a backend of any service (backends: {})",
-                    backends.join(", ")
-                ),
-            }
-        ]));
+        bail!(bad_backend(format!(
+            "{addr} is not a backend of any service (backends: {})",
+            known.join(", ")
+        )));
     }
-    dataplane
-        .request_drain(target, !args.undo)
-        .context("recording the drain request")?;
-    let what = if args.undo {
-        "no longer draining"
-    } else {
-        "draining"
-    };
-    match kernel::lock_pin_dir(&paths) {
-        Ok(_unlocked) => {
-            println!("{addr}: {what}; no daemon is running, it applies when one starts")
-        }
-        Err(_) => println!("{addr}: {what}; the running daemon applies it within a second"),
+    if draining {
+        super::print(&format!("{addr} is already draining\n"));
+        return Ok(0);
     }
-    Ok(())
+    maps.put_drain(&target)?;
+    super::print(&format!(
+        "{addr}: draining; no daemon is running, it applies when one starts\n"
+    ));
+    Ok(0)
 }

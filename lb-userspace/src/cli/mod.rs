@@ -6,14 +6,14 @@ mod run;
 mod status;
 mod uninstall;
 
-use std::path::PathBuf;
+use std::{io::Write, path::PathBuf};
 
 use clap::{Parser, Subcommand};
 use socklb::{
     cgroup::CgroupError,
     config::ConfigError,
     daemon::DaemonError,
-    kernel::{DEFAULT_PIN_PATH, KernelError},
+    dataplane::{DEFAULT_PIN_PATH, KernelError},
 };
 
 /// Node-local load balancer for control-plane endpoints: connects to a VIP
@@ -42,7 +42,10 @@ struct PinPathArg {
     pin_path: PathBuf,
 }
 
-pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
+/// How a command ended: its exit status, when it is not 0.
+pub type Outcome = anyhow::Result<u8>;
+
+pub fn dispatch(cli: Cli) -> Outcome {
     match cli.command {
         Command::Run(args) => run::run(*args),
         Command::Status(args) => status::status(args),
@@ -50,6 +53,14 @@ pub fn dispatch(cli: Cli) -> anyhow::Result<()> {
         Command::CheckConfig(args) => check_config::check_config(args),
         Command::Drain(args) => drain::drain(args),
     }
+}
+
+/// Writes to stdout. A closed pipe (`socklb status | head -1`) or any
+/// other write error ends the output quietly: a CLI never panics on it.
+pub fn print(text: &str) {
+    let mut stdout = std::io::stdout().lock();
+    let _ = stdout.write_all(text.as_bytes());
+    let _ = stdout.flush();
 }
 
 /// 2 for bad input (config, flags, addresses), 1 for everything else.

@@ -4,7 +4,8 @@ use anyhow::Context;
 use socklb::{
     config::{self, RawBackend, RawHealth, RawService, RawStatuses},
     daemon::{self, RunOptions},
-    kernel::BpfLogLevel,
+    dataplane::BpfLogLevel,
+    privileges,
 };
 
 /// Install (or adopt) the data plane and keep it in step with backend health.
@@ -88,8 +89,10 @@ pub struct RunArgs {
     /// Consecutive failed probes that make a backend unhealthy.
     #[arg(long)]
     fall: Option<i64>,
-    /// Failed connects in a row (seen by the kernel) that take a backend
-    /// out at once; 0 turns this off [default: 2].
+    /// Failed connects in a row that the kernel saw fail on the server side
+    /// (a reset, or a SYN unanswered for the initial RTO) before socklb
+    /// probes the backend at once; the probe decides. 0 turns this off
+    /// [default: 1].
     #[arg(long, value_name = "N")]
     connect_failures: Option<i64>,
     /// cgroup v2 directory to attach to [default: the root of the v2 hierarchy].
@@ -104,9 +107,14 @@ pub struct RunArgs {
     /// programs are first loaded; `off` keeps logging out of connect().
     #[arg(long, value_enum, default_value = "off")]
     bpf_log: BpfLogLevel,
+    /// Install even if another socklb serves one of these VIPs on this
+    /// cgroup, an ancestor or a descendant (whichever attached first then
+    /// takes every connect to it).
+    #[arg(long)]
+    allow_overlap: bool,
 }
 
-pub fn run(args: RunArgs) -> anyhow::Result<()> {
+pub fn run(args: RunArgs) -> super::Outcome {
     let config = match &args.config {
         Some(path) => config::load_file(path)?,
         None => config::from_flags(RawService {
@@ -135,12 +143,17 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
             },
         })?,
     };
+    // After the config: a bad file is reported the same with or without
+    // privileges, and nothing is touched either way.
+    privileges::require("run", &privileges::ALL)?;
     let options = RunOptions {
         config,
+        config_path: args.config.clone(),
         cgroup: args.cgroup,
         pin_path: args.pin.pin_path,
         cleanup_on_exit: args.cleanup_on_exit,
         bpf_log: args.bpf_log,
+        allow_overlap: args.allow_overlap,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -148,5 +161,5 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     runtime.block_on(daemon::run(options))?;
-    Ok(())
+    Ok(0)
 }

@@ -1,11 +1,18 @@
 use anyhow::Context;
 use socklb::{
-    kernel::{Dataplane, PinPaths},
-    status,
+    dataplane::{PinPaths, install, pins},
+    privileges, status,
 };
 
-/// Show services, backends, health and redirect counts from the pinned maps.
-/// Works while the daemon is not running.
+/// Show the daemon's liveness, whether the data plane is attached, and the
+/// services, backends, health and counters, from the pinned maps and the
+/// kernel. Works while the daemon is not running.
+///
+/// With --check, print nothing but failures and exit with: 0 when the
+/// daemon runs, the data plane is attached and every service has a healthy
+/// backend; 3 when the daemon is not running; 4 when the data plane is not
+/// attached; 5 when a service has no healthy backend; 1 when the status
+/// cannot be read (nothing installed, no privileges).
 ///
 /// Example: socklb status --json
 #[derive(Debug, clap::Args)]
@@ -13,20 +20,32 @@ pub struct StatusArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// Exit non-zero unless socklb is ready (for liveness and readiness
+    /// probes); see the exit statuses above.
+    #[arg(long)]
+    check: bool,
     #[command(flatten)]
     pin: super::PinPathArg,
 }
 
-pub fn status(args: StatusArgs) -> anyhow::Result<()> {
-    let dataplane = Dataplane::open_pinned(&PinPaths::new(&args.pin.pin_path))?;
-    let report = status::read(&dataplane);
-    if args.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&report).context("encoding JSON")?
-        );
-    } else {
-        print!("{report}");
+pub fn status(args: StatusArgs) -> super::Outcome {
+    privileges::require("status", &privileges::READ)?;
+    let paths = PinPaths::new(&args.pin.pin_path);
+    pins::check_pin_dir(&paths)?;
+    let maps = install::open_pinned(&paths)?;
+    let report = status::read(&maps, &paths);
+    if args.check {
+        let failures = report.check();
+        for failure in &failures {
+            super::print(&format!("not ready: {failure}\n"));
+        }
+        return Ok(failures.first().map_or(0, |failure| failure.exit_status()));
     }
-    Ok(())
+    if args.json {
+        let text = serde_json::to_string_pretty(&report).context("encoding JSON")?;
+        super::print(&format!("{text}\n"));
+    } else {
+        super::print(&report.to_string());
+    }
+    Ok(0)
 }

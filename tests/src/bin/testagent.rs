@@ -16,7 +16,7 @@ use std::{
 use rustls::{ClientConnection, StreamOwned};
 use rustls_pki_types::ServerName;
 use serde::Serialize;
-use socklb::probe::{TlsOptions, client_config};
+use socklb::health::probe::{TlsOptions, client_config};
 
 #[derive(Serialize)]
 struct Request {

@@ -5,16 +5,36 @@
 //! carries `x-server: NAME` and closes the connection.
 //!
 //! With `--hang`, it accepts TCP connections and never says a word: the
-//! server that 318 rke2 agents were stuck on.
+//! server that 318 rke2 agents were stuck on. SIGUSR1 turns a running
+//! server into such a one in place, with no moment of refused connects.
 //!
 //! Usage: testapiserver --listen ADDR:PORT --name NAME [--hang]
 
 use std::{
     io::{Read, Write},
     net::{SocketAddr, TcpListener, TcpStream},
-    sync::Arc,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
     time::{Duration, Instant},
 };
+
+/// Set by SIGUSR1: accept, and never answer again.
+static HANG: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn hang_now(_signal: libc::c_int) {
+    // An atomic store is async-signal-safe.
+    HANG.store(true, Ordering::SeqCst);
+}
+
+/// Holds a connection without a word until the process ends (bounded).
+fn hold_silently<T>(stream: T) {
+    for _ in 0..3600 {
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    drop(stream);
+}
 
 use rustls::{ServerConfig, ServerConnection, StreamOwned};
 use rustls_pki_types::PrivateKeyDer;
@@ -66,6 +86,10 @@ fn serve(stream: TcpStream, config: Arc<ServerConfig>, name: &str) {
             return;
         }
     }
+    if HANG.load(Ordering::SeqCst) {
+        hold_silently(tls);
+        return;
+    }
     let line = String::from_utf8_lossy(&request);
     let path = line.split_whitespace().nth(1).unwrap_or("/");
     let (status, body) = match path {
@@ -109,9 +133,12 @@ fn main() {
         std::process::exit(1);
     });
     let config = Arc::new(server_config(listen.ip()));
+    HANG.store(hang, Ordering::SeqCst);
+    // SAFETY: installs a handler that only stores to an atomic.
+    unsafe { libc::signal(libc::SIGUSR1, hang_now as *const () as libc::sighandler_t) };
     let mut held = Vec::new();
     for stream in listener.incoming().flatten() {
-        if hang {
+        if HANG.load(Ordering::SeqCst) {
             // Accepted, and never answered.
             held.push(stream);
             continue;

@@ -247,10 +247,9 @@ pub struct HookPrograms {
 
 impl HookPrograms {
     pub fn of(daemon: &Daemon) -> Result<Self> {
-        let pins = socklb::kernel::PinPaths::new(&daemon.pin_path);
+        let pins = socklb::dataplane::PinPaths::new(&daemon.pin_path);
         let mut ids = Vec::new();
-        for program in socklb::kernel::PROGRAMS {
-            let link = pins.link(program);
+        for (_, link) in pins.links() {
             if !link.exists() {
                 continue;
             }

@@ -302,6 +302,7 @@ pub fn client_config(options: &TlsOptions) -> Result<Arc<ClientConfig>, ProbeSet
         .map_err(|error| setup_error("tls", error))?;
     let builder = match &options.ca {
         Some(ca) => {
+            check_pem_file("ca", ca)?;
             let mut roots = RootCertStore::empty();
             let certificates = CertificateDer::pem_file_iter(ca)
                 .map_err(|error| setup_error("ca", format!("{}: {error}", ca.display())))?;
@@ -327,6 +328,8 @@ pub fn client_config(options: &TlsOptions) -> Result<Arc<ClientConfig>, ProbeSet
     let config = match (&options.cert, &options.key) {
         (None, None) => builder.with_no_client_auth(),
         (Some(cert), Some(key)) => {
+            check_pem_file("cert", cert)?;
+            check_pem_file("key", key)?;
             let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
                 .and_then(|items| items.collect::<Result<_, _>>())
                 .map_err(|error| setup_error("cert", format!("{}: {error}", cert.display())))?;
@@ -346,6 +349,34 @@ pub fn client_config(options: &TlsOptions) -> Result<Arc<ClientConfig>, ProbeSet
         (None, Some(_)) => return Err(setup_error("cert", "a client key needs its certificate")),
     };
     Ok(Arc::new(config))
+}
+
+/// Largest certificate or key file socklb reads: a CA bundle of a few
+/// hundred certificates fits with room to spare.
+const MAX_PEM_FILE_BYTES: u64 = 4 << 20;
+
+/// Refuses, before reading, what is not a regular file of a sane size: a
+/// path such as /dev/zero would otherwise be read forever.
+fn check_pem_file(field: &'static str, path: &std::path::Path) -> Result<(), ProbeSetupError> {
+    let metadata = std::fs::metadata(path)
+        .map_err(|error| setup_error(field, format!("{}: {error}", path.display())))?;
+    if !metadata.is_file() {
+        return Err(setup_error(
+            field,
+            format!("{}: not a regular file", path.display()),
+        ));
+    }
+    if metadata.len() > MAX_PEM_FILE_BYTES {
+        return Err(setup_error(
+            field,
+            format!(
+                "{}: {} bytes; a PEM file here may hold at most {MAX_PEM_FILE_BYTES}",
+                path.display(),
+                metadata.len()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Accepts any server certificate but still checks the handshake

@@ -3,7 +3,7 @@
 //! A probe answers one question about one backend, once. [`HealthTracker`]
 //! turns a stream of answers into "healthy" or "unhealthy", changing only
 //! after `rise` successes or `fall` failures in a row, and reports each
-//! change exactly once. Probe kinds live in [`crate::probe`].
+//! change exactly once. Probe kinds live in [`probe`].
 
 use std::{net::SocketAddr, time::Duration};
 
@@ -13,8 +13,11 @@ use tokio::{
     time,
 };
 
-pub use crate::probe::ProbeFailure;
-use crate::{config::HealthSettings, probe::Prober};
+pub mod probe;
+
+use crate::config::HealthSettings;
+pub use probe::ProbeFailure;
+use probe::Prober;
 
 /// Share of the interval by which each wait is randomly moved, so that the
 /// probes of many nodes do not beat in step against one server.
@@ -162,6 +165,8 @@ pub fn jittered(base: Duration, rng: &mut impl Rng) -> Duration {
 pub struct ProbeReport {
     pub backend_id: u32,
     pub outcome: Result<(), ProbeFailure>,
+    /// Run to confirm failed connects the kernel saw, not on the schedule.
+    pub confirming: bool,
 }
 
 /// Probes one backend until the receiver is gone, reporting each outcome.
@@ -191,6 +196,7 @@ pub async fn probe_loop(
             .send(ProbeReport {
                 backend_id,
                 outcome,
+                confirming: false,
             })
             .await
             .is_err()

@@ -1,0 +1,334 @@
+//! Configuration: the TOML file and the `run` flags, and their validation.
+//!
+//! Everything is validated before anything touches the kernel. Each problem
+//! becomes a [`FieldError`] that names the field and says what is wrong, and
+//! all problems are reported at once.
+
+mod health;
+mod raw;
+mod service;
+mod values;
+
+use std::{fmt, net::SocketAddr, path::Path, time::Duration};
+
+use raw::RawFile;
+pub use raw::{RawBackend, RawBackendTable, RawHealth, RawService, RawStatuses};
+pub use service::{slots_needed, table_count};
+pub use values::parse_duration;
+
+use service::{check_across_services, validate_service};
+
+use crate::health::probe::ProbeSpec;
+
+/// Highest weight a backend may have. Weights expand into table slots, so a
+/// ceiling keeps the ratio between two backends representable.
+pub const MAX_WEIGHT: u32 = 100;
+
+/// One invalid field.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldError {
+    /// Path of the field, for example `service[0].backends[1]`.
+    pub field: String,
+    /// What is wrong with it.
+    pub problem: String,
+}
+
+impl fmt::Display for FieldError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.field, self.problem)
+    }
+}
+
+/// A configuration that cannot be used, with every problem found.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Syntax { path: String, message: String },
+    #[error("invalid configuration:\n{}", list(.0))]
+    Invalid(Vec<FieldError>),
+}
+
+fn list(errors: &[FieldError]) -> String {
+    errors
+        .iter()
+        .map(|error| format!("  {error}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// What happens when no backend of a service is healthy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum NoneHealthyPolicy {
+    /// Use all backends, healthy or not (Envoy's panic mode).
+    #[default]
+    FailOpen,
+    /// Refuse the connect with ECONNREFUSED.
+    Reject,
+}
+
+impl NoneHealthyPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::FailOpen => "fail-open",
+            Self::Reject => "reject",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "fail-open" => Some(Self::FailOpen),
+            "reject" => Some(Self::Reject),
+            _ => None,
+        }
+    }
+}
+
+/// How a backend is chosen among the healthy ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SelectionPolicy {
+    /// Weighted random over all healthy backends.
+    #[default]
+    Random,
+    /// Power of two random choices on live connection counts, decided in
+    /// the kernel at connect().
+    LeastConn,
+    /// Weighted random over the healthy backends on this host or marked
+    /// `preferred`; the others only while none of those is healthy.
+    PreferLocal,
+}
+
+impl SelectionPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Random => "random",
+            Self::LeastConn => "least-conn",
+            Self::PreferLocal => "prefer-local",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "random" => Some(Self::Random),
+            "least-conn" => Some(Self::LeastConn),
+            "prefer-local" => Some(Self::PreferLocal),
+            _ => None,
+        }
+    }
+}
+
+/// A backend's place in the priority tiers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BackendRole {
+    #[default]
+    Normal,
+    /// Preferred by `prefer-local`, like a backend on this host.
+    Preferred,
+    /// Used only when no other backend is healthy (k3s's default server).
+    Standby,
+}
+
+/// Active health-check settings of one service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HealthSettings {
+    /// What a probe does.
+    pub probe: ProbeSpec,
+    pub interval: Duration,
+    /// Interval while a backend is down (HAProxy's `downinter`).
+    pub down_interval: Duration,
+    pub timeout: Duration,
+    /// Consecutive successes that make a down backend healthy.
+    pub rise: u32,
+    /// Consecutive failures that make an up backend unhealthy.
+    pub fall: u32,
+    /// Failed connects in a row, seen by the kernel with evidence from the
+    /// server side, that start a confirming probe at once (which decides);
+    /// 0 turns the passive signal off.
+    pub connect_failures: u32,
+}
+
+impl Default for HealthSettings {
+    fn default() -> Self {
+        Self {
+            probe: ProbeSpec::Tcp,
+            interval: Duration::from_secs(1),
+            down_interval: Duration::from_secs(1),
+            timeout: Duration::from_secs(1),
+            rise: 2,
+            fall: 3,
+            connect_failures: 1,
+        }
+    }
+}
+
+/// The built-in probe presets: (name, path, what it is for).
+pub const PRESETS: [(&str, &str, &str); 3] = [
+    ("apiserver", "/readyz", "kube-apiserver readiness, https"),
+    ("supervisor", "/ping", "k3s/rke2 supervisor, https"),
+    (
+        "etcd",
+        "/health",
+        "etcd client port, https with a client certificate",
+    ),
+];
+
+/// One backend of a service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Backend {
+    pub addr: SocketAddr,
+    pub weight: u32,
+    pub role: BackendRole,
+    /// Takes no new connections; existing ones are left alone.
+    pub drain: bool,
+}
+
+/// One validated service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Service {
+    pub name: String,
+    pub vips: Vec<SocketAddr>,
+    pub backends: Vec<Backend>,
+    pub policy: SelectionPolicy,
+    pub when_none_healthy: NoneHealthyPolicy,
+    /// Redirect sockets of every network namespace, not only the daemon's.
+    pub all_netns: bool,
+    /// Close the redirected connections to a backend that becomes unhealthy.
+    pub close_on_failure: bool,
+    pub health: HealthSettings,
+}
+
+/// A validated configuration: every field was checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    pub services: Vec<Service>,
+}
+
+/// Reads and validates a config file.
+pub fn load_file(path: &Path) -> Result<Config, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.display().to_string(),
+        source,
+    })?;
+    parse_toml(&text).map_err(|error| match error {
+        ConfigError::Syntax { message, .. } => ConfigError::Syntax {
+            path: path.display().to_string(),
+            message,
+        },
+        other => other,
+    })
+}
+
+/// Parses and validates TOML text.
+pub fn parse_toml(text: &str) -> Result<Config, ConfigError> {
+    let raw: RawFile = toml::from_str(text).map_err(|error| ConfigError::Syntax {
+        path: "config".into(),
+        message: error.to_string().trim_end().to_string(),
+    })?;
+    validate(raw.service, "service")
+}
+
+/// Validates services assembled from flags (field names are the flags').
+pub fn from_flags(service: RawService) -> Result<Config, ConfigError> {
+    validate(vec![service], "flags")
+}
+
+/// Checks every field of every service and returns all problems together.
+pub fn validate(raw: Vec<RawService>, root: &str) -> Result<Config, ConfigError> {
+    let mut errors = Vec::new();
+    if raw.is_empty() {
+        errors.push(field_error(root, "no service is configured"));
+    }
+    let mut services = Vec::new();
+    for (index, raw_service) in raw.into_iter().enumerate() {
+        let prefix = if root == "flags" {
+            String::new()
+        } else {
+            format!("{root}[{index}].")
+        };
+        if let Some(service) = validate_service(raw_service, &prefix, index, &mut errors) {
+            services.push((index, service));
+        }
+    }
+    check_across_services(&services, root, &mut errors);
+    if errors.is_empty() {
+        Ok(Config {
+            services: services.into_iter().map(|(_, service)| service).collect(),
+        })
+    } else {
+        Err(ConfigError::Invalid(errors))
+    }
+}
+
+pub(crate) fn field_error(field: impl Into<String>, problem: impl Into<String>) -> FieldError {
+    FieldError {
+        field: field.into(),
+        problem: problem.into(),
+    }
+}
+
+impl fmt::Display for Config {
+    /// What `check-config` prints: the configuration as understood.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for service in &self.services {
+            writeln!(f, "service {}", service.name)?;
+            let vips: Vec<String> = service.vips.iter().map(ToString::to_string).collect();
+            writeln!(f, "  vips: {}", vips.join(", "))?;
+            writeln!(
+                f,
+                "  policy: {}, when none is healthy: {}{}",
+                service.policy.as_str(),
+                service.when_none_healthy.as_str(),
+                if service.all_netns {
+                    ", all network namespaces"
+                } else {
+                    ", host network namespace only"
+                }
+            )?;
+            writeln!(f, "  close-on-failure: {}", service.close_on_failure)?;
+            let health = &service.health;
+            writeln!(
+                f,
+                "  health: {} every {:?} (±20%; {:?} while down), timeout {:?}, rise {}, fall {}",
+                health.probe.describe(),
+                health.interval,
+                health.down_interval,
+                health.timeout,
+                health.rise,
+                health.fall
+            )?;
+            writeln!(
+                f,
+                "  passive: {}",
+                match health.connect_failures {
+                    0 => "off".to_string(),
+                    count => format!(
+                        "a confirming probe after {count} failed connect{} in a row (reset, or SYN unanswered)",
+                        if count == 1 { "" } else { "s" }
+                    ),
+                }
+            )?;
+            for backend in &service.backends {
+                let role = match backend.role {
+                    BackendRole::Normal => "",
+                    BackendRole::Preferred => " preferred",
+                    BackendRole::Standby => " standby",
+                };
+                writeln!(
+                    f,
+                    "  backend {} weight {}{role}{}",
+                    backend.addr,
+                    backend.weight,
+                    if backend.drain { " draining" } else { "" }
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests;

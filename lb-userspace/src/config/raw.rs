@@ -1,0 +1,87 @@
+//! The configuration as written: TOML tables or assembled from flags,
+//! before any field is checked.
+
+use std::path::PathBuf;
+
+use serde::Deserialize;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawFile {
+    #[serde(default)]
+    pub(super) service: Vec<RawService>,
+}
+
+/// One service as written in TOML or assembled from flags.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct RawService {
+    pub name: Option<String>,
+    #[serde(default)]
+    pub vips: Vec<String>,
+    #[serde(default)]
+    pub backends: Vec<RawBackend>,
+    /// `random` or `prefer-local`.
+    pub policy: Option<String>,
+    /// `fail-open` or `reject`.
+    pub when_none_healthy: Option<String>,
+    #[serde(default)]
+    pub all_netns: bool,
+    /// Default true.
+    pub close_on_failure: Option<bool>,
+    #[serde(default)]
+    pub health: RawHealth,
+}
+
+/// A backend: `"ADDR:PORT[,weight=N][,preferred][,standby]"` or
+/// `{ addr = "…", weight = N, preferred = true, standby = true }`.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum RawBackend {
+    Spec(String),
+    Table(RawBackendTable),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawBackendTable {
+    pub addr: String,
+    pub weight: Option<i64>,
+    #[serde(default)]
+    pub preferred: bool,
+    #[serde(default)]
+    pub standby: bool,
+    #[serde(default)]
+    pub drain: bool,
+}
+
+/// Health settings as written; durations are strings such as `"500ms"`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "kebab-case")]
+pub struct RawHealth {
+    /// `tcp`, `tls`, `http`, `https`, `http:PATH`, `https:PATH`, or a preset
+    /// (`apiserver`, `supervisor`, `etcd`).
+    pub kind: Option<String>,
+    pub path: Option<String>,
+    /// Accepted HTTP statuses: `[200, 401]` or `"200,401"`.
+    pub statuses: Option<RawStatuses>,
+    pub host: Option<String>,
+    pub ca: Option<PathBuf>,
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+    pub server_name: Option<String>,
+    pub interval: Option<String>,
+    pub down_interval: Option<String>,
+    pub timeout: Option<String>,
+    pub rise: Option<i64>,
+    pub fall: Option<i64>,
+    pub connect_failures: Option<i64>,
+}
+
+/// Status codes as a TOML list or as the flag's comma-separated text.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum RawStatuses {
+    List(Vec<i64>),
+    Text(String),
+}

@@ -1,0 +1,310 @@
+//! Validation of one service and of what services share.
+
+use std::{
+    collections::{HashMap, HashSet},
+    net::SocketAddr,
+};
+
+use crate::planner::weight_divisor;
+use lb_common::{MAX_BACKENDS, MAX_TABLES, MAX_VIPS, NAME_LEN, SLOTS_PER_LIST};
+
+use super::{
+    Backend, BackendRole, FieldError, NoneHealthyPolicy, RawService, SelectionPolicy, Service,
+    field_error,
+    health::validate_health,
+    values::{parse_backend, parse_endpoint},
+};
+
+pub(super) fn validate_service(
+    raw: RawService,
+    prefix: &str,
+    index: usize,
+    errors: &mut Vec<FieldError>,
+) -> Option<Service> {
+    let before = errors.len();
+    let name = raw.name.unwrap_or_else(|| format!("service{index}"));
+    check_name(&name, &format!("{prefix}name"), errors);
+
+    let vip_field = if prefix.is_empty() {
+        "--vip".to_string()
+    } else {
+        format!("{prefix}vips")
+    };
+    let vips: Vec<SocketAddr> = raw
+        .vips
+        .iter()
+        .enumerate()
+        .filter_map(|(i, text)| parse_endpoint(text, &format!("{vip_field}[{i}]"), errors))
+        .collect();
+    if raw.vips.is_empty() {
+        errors.push(field_error(&vip_field, "at least one VIP is required"));
+    }
+    report_duplicates(&vips, &vip_field, "VIP", errors);
+
+    let backend_field = if prefix.is_empty() {
+        "--backend".to_string()
+    } else {
+        format!("{prefix}backends")
+    };
+    let indexed: Vec<(usize, Backend)> = raw
+        .backends
+        .iter()
+        .enumerate()
+        .filter_map(|(i, spec)| {
+            parse_backend(spec, &format!("{backend_field}[{i}]"), errors)
+                .map(|backend| (i, backend))
+        })
+        .collect();
+    if raw.backends.is_empty() {
+        errors.push(field_error(
+            &backend_field,
+            "at least one backend is required",
+        ));
+    }
+    let addrs: Vec<SocketAddr> = indexed.iter().map(|(_, backend)| backend.addr).collect();
+    report_duplicates(&addrs, &backend_field, "backend", errors);
+    check_families(&vips, &indexed, &vip_field, &backend_field, errors);
+    let backends: Vec<Backend> = indexed.into_iter().map(|(_, backend)| backend).collect();
+    for vip in &vips {
+        if addrs.contains(vip) {
+            errors.push(field_error(
+                &vip_field,
+                format!("{vip} is also a backend; a VIP that redirects to itself loops"),
+            ));
+        }
+    }
+
+    let field_name = |toml: &str, flag: &str| {
+        if prefix.is_empty() {
+            flag.to_string()
+        } else {
+            format!("{prefix}{toml}")
+        }
+    };
+    let policy = match raw.policy.as_deref() {
+        None => SelectionPolicy::default(),
+        Some(text) => SelectionPolicy::parse(text).unwrap_or_else(|| {
+            errors.push(field_error(
+                field_name("policy", "--policy"),
+                format!(
+                    "unknown policy {text:?}; expected \"random\", \"least-conn\" or \"prefer-local\""
+                ),
+            ));
+            SelectionPolicy::default()
+        }),
+    };
+    let when_none_healthy = match raw.when_none_healthy.as_deref() {
+        None => NoneHealthyPolicy::default(),
+        Some(text) => NoneHealthyPolicy::parse(text).unwrap_or_else(|| {
+            errors.push(field_error(
+                field_name("when-none-healthy", "--when-none-healthy"),
+                format!("unknown policy {text:?}; expected \"fail-open\" or \"reject\""),
+            ));
+            NoneHealthyPolicy::default()
+        }),
+    };
+    if policy != SelectionPolicy::PreferLocal
+        && let Some(index) = backends
+            .iter()
+            .position(|backend| backend.role == BackendRole::Preferred)
+    {
+        errors.push(field_error(
+            format!("{backend_field}[{index}]"),
+            "preferred only applies with policy prefer-local",
+        ));
+    }
+    if !backends.is_empty()
+        && backends
+            .iter()
+            .all(|backend| backend.role == BackendRole::Standby)
+    {
+        errors.push(field_error(
+            &backend_field,
+            "every backend is a standby; at least one must not be",
+        ));
+    }
+    let health = validate_health(&raw.health, prefix, errors);
+    (errors.len() == before).then_some(Service {
+        name,
+        vips,
+        backends,
+        policy,
+        when_none_healthy,
+        all_netns: raw.all_netns,
+        close_on_failure: raw.close_on_failure.unwrap_or(true),
+        health,
+    })
+}
+
+fn check_name(name: &str, field: &str, errors: &mut Vec<FieldError>) {
+    if name.is_empty() {
+        errors.push(field_error(field, "must not be empty"));
+    } else if name.len() >= NAME_LEN {
+        errors.push(field_error(
+            field,
+            format!("longer than {} bytes", NAME_LEN - 1),
+        ));
+    } else if !name
+        .chars()
+        .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))
+    {
+        errors.push(field_error(
+            field,
+            format!("{name:?} may only hold letters, digits, '-', '_' and '.'"),
+        ));
+    }
+}
+
+fn report_duplicates(addrs: &[SocketAddr], field: &str, what: &str, errors: &mut Vec<FieldError>) {
+    let mut seen = HashSet::new();
+    for addr in addrs {
+        if !seen.insert(addr) {
+            errors.push(field_error(field, format!("{what} {addr} is listed twice")));
+        }
+    }
+}
+
+/// A VIP can only be served by backends of its own family (an IPv4 socket
+/// cannot reach an IPv6 address), so each VIP family needs such backends,
+/// and a backend of a family without a VIP would never be used. Each
+/// family's weights must fit one selection list.
+fn check_families(
+    vips: &[SocketAddr],
+    backends: &[(usize, Backend)],
+    vip_field: &str,
+    backend_field: &str,
+    errors: &mut Vec<FieldError>,
+) {
+    for (is_v4, family) in [(true, "IPv4"), (false, "IPv6")] {
+        let has_vip = vips.iter().any(|vip| vip.is_ipv4() == is_v4);
+        let members: Vec<&(usize, Backend)> = backends
+            .iter()
+            .filter(|(_, backend)| backend.addr.is_ipv4() == is_v4)
+            .collect();
+        if has_vip && members.is_empty() {
+            errors.push(field_error(
+                vip_field,
+                format!("an {family} VIP needs at least one {family} backend"),
+            ));
+        }
+        if !has_vip && !vips.is_empty() {
+            for (index, backend) in &members {
+                errors.push(field_error(
+                    format!("{backend_field}[{index}]"),
+                    format!(
+                        "{} is {family} but the service has no {family} VIP, so it would never be used",
+                        backend.addr
+                    ),
+                ));
+            }
+            continue;
+        }
+        if members.len() > SLOTS_PER_LIST as usize {
+            errors.push(field_error(
+                backend_field,
+                format!(
+                    "{} {family} backends; at most {SLOTS_PER_LIST} per family",
+                    members.len()
+                ),
+            ));
+            continue;
+        }
+        let weights: Vec<u32> = members.iter().map(|(_, backend)| backend.weight).collect();
+        let slots = slots_needed(&weights);
+        if slots > SLOTS_PER_LIST as usize {
+            errors.push(field_error(
+                backend_field,
+                format!(
+                    "the {family} weights need {slots} table slots (each weight divided by their greatest common divisor); a table holds {SLOTS_PER_LIST}: lower the weights or use fewer backends"
+                ),
+            ));
+        }
+    }
+}
+
+/// Slots a list of weights takes in a selection list: each weight divided
+/// by the greatest common divisor of all (the planner's expansion).
+pub fn slots_needed(weights: &[u32]) -> usize {
+    let divisor = weight_divisor(weights);
+    weights
+        .iter()
+        .map(|&weight| (weight / divisor) as usize)
+        .sum()
+}
+
+/// What services share: names, VIPs, and the kernel maps' sizes. A backend
+/// that is some service's VIP would redirect again (a → b → a). `services`
+/// holds each valid service with its index in the file.
+pub(super) fn check_across_services(
+    services: &[(usize, Service)],
+    root: &str,
+    errors: &mut Vec<FieldError>,
+) {
+    let prefix = |index: usize| {
+        if root == "flags" {
+            String::new()
+        } else {
+            format!("{root}[{index}].")
+        }
+    };
+    let mut vip_owner = HashMap::new();
+    let mut names = HashSet::new();
+    for (index, service) in services {
+        if !names.insert(service.name.as_str()) {
+            errors.push(field_error(
+                format!("{}name", prefix(*index)),
+                format!("service name {:?} is used twice", service.name),
+            ));
+        }
+        for vip in &service.vips {
+            if let Some(other) = vip_owner.insert(*vip, service.name.as_str()) {
+                errors.push(field_error(
+                    format!("{}vips", prefix(*index)),
+                    format!("VIP {vip} is also used by service {other:?}"),
+                ));
+            }
+        }
+    }
+    for (index, service) in services {
+        for (backend_index, backend) in service.backends.iter().enumerate() {
+            match vip_owner.get(&backend.addr) {
+                Some(owner) if *owner != service.name => errors.push(field_error(
+                    format!("{}backends[{backend_index}]", prefix(*index)),
+                    format!(
+                        "{} is a VIP of service {owner:?}; a backend that is a VIP would be redirected again",
+                        backend.addr
+                    ),
+                )),
+                _ => {}
+            }
+        }
+    }
+    let tables: usize = services
+        .iter()
+        .map(|(_, service)| table_count(service))
+        .sum();
+    let backends: usize = services
+        .iter()
+        .map(|(_, service)| service.backends.len())
+        .sum();
+    let vips: usize = services.iter().map(|(_, service)| service.vips.len()).sum();
+    for (count, limit, what) in [
+        (tables, MAX_TABLES as usize, "service address families"),
+        (backends, MAX_BACKENDS as usize, "backends"),
+        (vips, MAX_VIPS as usize, "VIPs"),
+    ] {
+        if count > limit {
+            errors.push(field_error(
+                root,
+                format!("{count} {what} in all; at most {limit}"),
+            ));
+        }
+    }
+}
+
+/// Each address family a service has VIPs in gets its own selection table.
+pub fn table_count(service: &Service) -> usize {
+    let v4 = service.vips.iter().any(SocketAddr::is_ipv4);
+    let v6 = service.vips.iter().any(SocketAddr::is_ipv6);
+    usize::from(v4) + usize::from(v6)
+}

@@ -1,0 +1,319 @@
+//! The single owner of the daemon's state: health of every backend, the
+//! drains, and what was written to the maps. Every change goes through
+//! here; the event loop only feeds it and acts on what it returns. It does
+//! no I/O of its own besides the map store it is handed, so its decisions
+//! are tested against [`crate::dataplane::MemoryMaps`].
+
+use std::{
+    collections::{BTreeSet, HashMap, HashSet},
+    net::SocketAddr,
+};
+
+use lb_common::{BackendInfo, Endpoint, Settings};
+use tracing::{info, warn};
+
+use crate::{
+    dataplane::{BackendHealth, Desired, Drift, MapStore, StoreError, Writer, tables::table_name},
+    errors,
+    health::{HealthTracker, ProbeFailure, Transition},
+    planner::{BackendLayout, Layout, TableLayout, endpoint, plan, socket_addr},
+};
+
+/// What a drain request did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DrainOutcome {
+    /// The backend takes no new connections from now on.
+    Draining,
+    /// The backend takes new connections again.
+    Resumed,
+    /// Nothing to do; the text says why.
+    Unchanged(String),
+}
+
+/// A drain request that cannot be done.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{addr} is not a backend of any service (backends: {known})")]
+pub struct UnknownBackend {
+    pub addr: SocketAddr,
+    pub known: String,
+}
+
+pub struct Owner {
+    layout: Layout,
+    trackers: HashMap<u32, HealthTracker>,
+    /// Backends `socklb drain` asked to drain, by address.
+    requested_drains: BTreeSet<Endpoint>,
+    /// Backends that take no new connections: drained by the config or
+    /// asked for.
+    draining: HashSet<u32>,
+    settings: Settings,
+    writer: Writer,
+    /// A write failed; the next pass tries again.
+    dirty: bool,
+}
+
+impl Owner {
+    /// A fresh start: every backend is assumed healthy until its first
+    /// probe answers, so that starting socklb never refuses traffic.
+    pub fn new(layout: Layout, settings: Settings) -> Self {
+        let trackers = layout
+            .backends()
+            .map(|(table, backend)| (backend.id, HealthTracker::unknown(&table.health)))
+            .collect();
+        let mut owner = Self {
+            layout,
+            trackers,
+            requested_drains: BTreeSet::new(),
+            draining: HashSet::new(),
+            settings,
+            writer: Writer::default(),
+            dirty: false,
+        };
+        owner.update_draining();
+        owner
+    }
+
+    /// Continues from what a previous daemon left in the maps: its drains,
+    /// and its health verdicts, matched by service and address (ids may
+    /// have moved with a changed config), so a restart neither re-admits a
+    /// dead backend nor drops a live one. A record whose health was only
+    /// assumed seeds nothing. Returns the backends the previous daemon
+    /// served that this configuration drops.
+    pub fn adopt(&mut self, store: &dyn MapStore) -> Result<Vec<SocketAddr>, StoreError> {
+        self.writer = Writer::adopt(store)?;
+        let written = self.writer.written();
+        let service_of: HashMap<u32, String> = written
+            .table_records
+            .iter()
+            .map(|(id, info)| (*id, table_name(info)))
+            .collect();
+        let known: HashMap<(String, Endpoint), BackendInfo> = written
+            .backends
+            .values()
+            .filter_map(|info| {
+                Some((
+                    (service_of.get(&info.table_id)?.clone(), info.target),
+                    *info,
+                ))
+            })
+            .collect();
+        for (table, backend) in self.layout.backends() {
+            let key = (table.service.clone(), endpoint(&backend.addr));
+            if let Some(info) = known.get(&key).filter(|info| info.probed != 0) {
+                self.trackers.insert(
+                    backend.id,
+                    HealthTracker::known(&table.health, info.healthy != 0),
+                );
+            }
+        }
+        let kept: HashSet<Endpoint> = self
+            .layout
+            .backends()
+            .map(|(_, backend)| endpoint(&backend.addr))
+            .collect();
+        let removed = written
+            .backends
+            .values()
+            .filter(|info| !kept.contains(&info.target))
+            .filter_map(|info| socket_addr(&info.target))
+            .collect();
+        self.requested_drains = written.drains.clone();
+        self.update_draining();
+        Ok(removed)
+    }
+
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    pub fn settings(&self) -> Settings {
+        self.settings
+    }
+
+    /// The links now attach to a cgroup with this id (one re-created at the
+    /// same path); the settings record it.
+    pub fn set_attached_cgroup(&mut self, cgroup_id: u64) {
+        self.settings.attached_cgroup_id = cgroup_id;
+    }
+
+    /// A backend and its table, by id.
+    pub fn backend(&self, id: u32) -> Option<(&TableLayout, &BackendLayout)> {
+        self.layout.backends().find(|(_, backend)| backend.id == id)
+    }
+
+    pub fn is_healthy(&self, id: u32) -> bool {
+        self.trackers
+            .get(&id)
+            .is_some_and(HealthTracker::is_healthy)
+    }
+
+    pub fn health(&self, id: u32) -> BackendHealth {
+        self.trackers
+            .get(&id)
+            .map_or_else(BackendHealth::default, |tracker| BackendHealth {
+                healthy: tracker.is_healthy(),
+                probed: tracker.is_settled(),
+                draining: self.draining.contains(&id),
+            })
+    }
+
+    pub fn is_dirty(&self) -> bool {
+        self.dirty
+    }
+
+    /// What the maps should hold now. A draining backend is planned like an
+    /// unhealthy one: out of the healthy list, still in the fail-open list.
+    pub fn desired(&self) -> Desired {
+        let contents = plan(&self.layout, |id| {
+            self.is_healthy(id) && !self.draining.contains(&id)
+        });
+        Desired::build(
+            &self.layout,
+            &contents,
+            |id| self.health(id),
+            self.settings,
+            self.requested_drains.clone(),
+        )
+    }
+
+    /// Writes what changed. On failure the state is marked dirty and the
+    /// next pass tries again; returns whether the maps are up to date.
+    pub fn write(&mut self, store: &mut dyn MapStore) -> bool {
+        let desired = self.desired();
+        match self.writer.write(store, &desired) {
+            Ok(report) => {
+                for (table_id, healthy_slots) in report.replaced {
+                    let service = self
+                        .layout
+                        .tables
+                        .iter()
+                        .find(|table| table.table_id == table_id)
+                        .map_or("", |table| table.service.as_str());
+                    info!(service, healthy_slots, "table {table_id} replaced");
+                }
+                self.dirty = false;
+                true
+            }
+            Err(error) => {
+                warn!(
+                    "writing the new tables failed, will retry on the next check: {}",
+                    errors::chain(&error)
+                );
+                self.dirty = true;
+                false
+            }
+        }
+    }
+
+    /// Feeds one probe outcome. Returns the transition, if any, and whether
+    /// the backend's record must be written even without one (its first
+    /// answer confirmed the assumed state: status must stop calling it
+    /// unknown).
+    pub fn record_probe(
+        &mut self,
+        id: u32,
+        outcome: &Result<(), ProbeFailure>,
+        success_words: &str,
+    ) -> (Option<Transition>, bool) {
+        let Some(tracker) = self.trackers.get_mut(&id) else {
+            return (None, false);
+        };
+        let was_settled = tracker.is_settled();
+        let transition = tracker.record(outcome, success_words);
+        let newly_settled = !was_settled && tracker.is_settled();
+        (transition, newly_settled)
+    }
+
+    /// A confirming probe failed after the kernel saw failed connects: the
+    /// backend leaves at once, without waiting for `fall` probes.
+    pub fn confirm_down(&mut self, id: u32, reason: String) -> Option<Transition> {
+        self.trackers.get_mut(&id)?.mark_down(reason, 1)
+    }
+
+    /// Drains a backend (or ends its drain), as `socklb drain` asks.
+    pub fn request_drain(
+        &mut self,
+        addr: SocketAddr,
+        drain: bool,
+    ) -> Result<DrainOutcome, UnknownBackend> {
+        let target = endpoint(&addr);
+        let configured: Vec<&BackendLayout> = self
+            .layout
+            .backends()
+            .map(|(_, backend)| backend)
+            .filter(|backend| backend.addr == addr)
+            .collect();
+        if configured.is_empty() && drain {
+            let known: Vec<String> = self
+                .layout
+                .backends()
+                .map(|(_, backend)| backend.addr.to_string())
+                .collect();
+            return Err(UnknownBackend {
+                addr,
+                known: known.join(", "),
+            });
+        }
+        let requested = self.requested_drains.contains(&target);
+        let by_config = configured.iter().any(|backend| backend.drain);
+        let outcome = match (drain, requested) {
+            (true, true) => DrainOutcome::Unchanged(format!("{addr} is already draining")),
+            (false, false) if by_config => DrainOutcome::Unchanged(format!(
+                "{addr} is drained by the configuration; remove `drain` there to take it back"
+            )),
+            (false, false) => {
+                DrainOutcome::Unchanged(format!("{addr} is not draining; nothing to do"))
+            }
+            (true, false) => {
+                self.requested_drains.insert(target);
+                DrainOutcome::Draining
+            }
+            (false, true) => {
+                self.requested_drains.remove(&target);
+                DrainOutcome::Resumed
+            }
+        };
+        self.update_draining();
+        Ok(outcome)
+    }
+
+    /// Recomputes the draining set from the config and the requests; logs
+    /// each change once.
+    fn update_draining(&mut self) {
+        let draining: HashSet<u32> = self
+            .layout
+            .backends()
+            .filter(|(_, backend)| {
+                backend.drain || self.requested_drains.contains(&endpoint(&backend.addr))
+            })
+            .map(|(_, backend)| backend.id)
+            .collect();
+        for (_, backend) in self.layout.backends() {
+            match (
+                self.draining.contains(&backend.id),
+                draining.contains(&backend.id),
+            ) {
+                (false, true) => info!(
+                    "{} draining: no new connections, existing ones stay",
+                    backend.addr
+                ),
+                (true, false) => info!("{} no longer draining", backend.addr),
+                _ => {}
+            }
+        }
+        self.draining = draining;
+    }
+
+    /// Compares the maps with what was written.
+    pub fn verify(&self, store: &dyn MapStore) -> Result<Vec<Drift>, StoreError> {
+        self.writer.verify(store)
+    }
+
+    /// Puts back what `verify` found changed.
+    pub fn repair(&mut self, store: &mut dyn MapStore, drifts: &[Drift]) -> Result<(), StoreError> {
+        self.writer.repair(store, drifts)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,457 @@
+//! The owner's decisions against maps in memory: writes, retries, drains,
+//! adoption, and the repair of every kind of tampering.
+
+use std::net::SocketAddr;
+
+use lb_common::{BackendSlot, Endpoint, SLOTS_PER_LIST, Settings, bank_base, repair};
+
+use super::*;
+use crate::{
+    config::parse_toml,
+    dataplane::{MapStore, MemoryMaps},
+    health::ProbeFailure,
+    planner::Layout,
+};
+
+const CONFIG: &str = r#"
+    [[service]]
+    name = "api"
+    vips = ["127.0.0.1:6444", "127.0.0.5:6444"]
+    backends = ["127.0.0.2:1", "127.0.0.3:1,weight=2", "127.0.0.4:1"]
+    [[service]]
+    name = "etcd"
+    vips = ["127.0.0.1:2379"]
+    backends = ["127.0.0.6:1"]
+"#;
+
+fn addr(text: &str) -> SocketAddr {
+    text.parse().unwrap()
+}
+
+fn settings() -> Settings {
+    Settings {
+        host_netns_cookie: 7,
+        attached_cgroup_id: 99,
+    }
+}
+
+fn owner(config: &str) -> Owner {
+    Owner::new(
+        Layout::from_config(&parse_toml(config).unwrap(), |_| false),
+        settings(),
+    )
+}
+
+/// An owner that wrote its tables into fresh maps.
+fn written() -> (Owner, MemoryMaps) {
+    let mut maps = MemoryMaps::default();
+    let mut owner = owner(CONFIG);
+    owner.adopt(&maps).unwrap();
+    assert!(owner.write(&mut maps));
+    (owner, maps)
+}
+
+/// What connects read: for each VIP, its table's healthy and all lists.
+fn effective(maps: &MemoryMaps) -> Vec<(Endpoint, Vec<BackendSlot>, Vec<BackendSlot>)> {
+    maps.services
+        .iter()
+        .map(|(vip, entry)| {
+            (
+                *vip,
+                maps.slots(entry.bank_base, entry.healthy_slots).unwrap(),
+                maps.slots(entry.bank_base + SLOTS_PER_LIST, entry.all_slots)
+                    .unwrap(),
+            )
+        })
+        .collect()
+}
+
+fn vip(text: &str) -> Endpoint {
+    endpoint(&addr(text))
+}
+
+type Tamper = fn(&mut MemoryMaps);
+
+/// (what, how someone else changes the maps, the repair kind expected)
+const TAMPERING: &[(&str, Tamper, usize)] = &[
+    (
+        "VIP entry removed",
+        |maps| {
+            maps.services.remove(&vip("127.0.0.1:6444"));
+        },
+        repair::SERVICES,
+    ),
+    (
+        "VIP entry pointed at the idle bank",
+        |maps| {
+            let entry = maps.services.get_mut(&vip("127.0.0.1:6444")).unwrap();
+            entry.bank_base = if entry.bank_base == bank_base(entry.table_id, 0) {
+                bank_base(entry.table_id, 1)
+            } else {
+                bank_base(entry.table_id, 0)
+            };
+        },
+        repair::SERVICES,
+    ),
+    (
+        "VIP entry for a stranger address",
+        |maps| {
+            let entry = *maps.services.values().next().unwrap();
+            maps.services.insert(vip("127.0.0.9:80"), entry);
+        },
+        repair::SERVICES,
+    ),
+    (
+        "a slot sent to another listener",
+        |maps| {
+            let entry = maps.services[&vip("127.0.0.1:6444")];
+            let slot = maps.slots.get_mut(&entry.bank_base).unwrap();
+            slot.target = vip("127.0.0.7:9999");
+        },
+        repair::SLOTS,
+    ),
+    (
+        "settings changed",
+        |maps| maps.settings.host_netns_cookie = 1,
+        repair::SETTINGS,
+    ),
+    (
+        "backend record changed",
+        |maps| maps.backends.get_mut(&0).unwrap().healthy = 0,
+        repair::BACKENDS,
+    ),
+    (
+        "table record removed",
+        |maps| {
+            maps.tables.remove(&1);
+        },
+        repair::TABLES,
+    ),
+    (
+        "a drain added behind the daemon's back",
+        |maps| {
+            maps.drains.insert(vip("127.0.0.2:1"));
+        },
+        repair::DRAINS,
+    ),
+];
+
+#[test]
+fn every_kind_of_tampering_is_found_and_repaired() {
+    for (what, tamper, kind) in TAMPERING {
+        let (mut owner, mut maps) = written();
+        let before = effective(&maps);
+        let records = (maps.backends.clone(), maps.tables.clone(), maps.settings);
+        assert!(
+            owner.verify(&maps).unwrap().is_empty(),
+            "{what}: clean at first"
+        );
+        tamper(&mut maps);
+        let drifts = owner.verify(&maps).unwrap();
+        assert!(
+            drifts.iter().any(|drift| drift.kind() == *kind),
+            "{what}: found as kind {kind}: {drifts:?}"
+        );
+        owner.repair(&mut maps, &drifts).unwrap();
+        assert_eq!(owner.verify(&maps).unwrap(), Vec::new(), "{what}: repaired");
+        assert_eq!(
+            effective(&maps),
+            before,
+            "{what}: connects read the same tables"
+        );
+        assert_eq!(
+            (maps.backends.clone(), maps.tables.clone(), maps.settings),
+            records,
+            "{what}: records restored"
+        );
+        assert!(maps.drains.is_empty(), "{what}: no drain left");
+    }
+}
+
+#[test]
+fn a_repaired_table_is_written_to_the_idle_bank_then_switched() {
+    let (mut owner, mut maps) = written();
+    let entry = maps.services[&vip("127.0.0.1:6444")];
+    maps.slots.get_mut(&entry.bank_base).unwrap().backend_id = 3;
+    let drifts = owner.verify(&maps).unwrap();
+    owner.repair(&mut maps, &drifts).unwrap();
+    let repaired = maps.services[&vip("127.0.0.1:6444")];
+    assert_ne!(repaired.bank_base, entry.bank_base, "switched banks");
+    assert_eq!(
+        maps.services[&vip("127.0.0.5:6444")],
+        repaired,
+        "both VIPs of the table switched"
+    );
+    assert_eq!(repaired.generation, entry.generation + 1);
+}
+
+#[test]
+fn a_failed_write_is_retried_until_it_lands() {
+    let mut maps = MemoryMaps {
+        failing_writes: 3,
+        ..MemoryMaps::default()
+    };
+    let mut owner = owner(CONFIG);
+    owner.adopt(&maps).unwrap();
+    let mut attempts = 0;
+    while !owner.write(&mut maps) {
+        assert!(owner.is_dirty());
+        attempts += 1;
+        assert!(attempts < 10, "bounded");
+    }
+    assert_eq!(attempts, 3, "one failure per attempt");
+    assert!(!owner.is_dirty());
+    assert!(owner.verify(&maps).unwrap().is_empty());
+    assert_eq!(maps.services.len(), 3);
+}
+
+#[test]
+fn a_write_that_fails_half_way_never_fills_a_bank_in_use() {
+    let (mut owner, mut maps) = written();
+    // Take 127.0.0.2 out; the switch of the second VIP fails.
+    let first = maps.services[&vip("127.0.0.1:6444")];
+    let (transition, _) = owner.record_probe(0, &Err(ProbeFailure::Refused), "ok");
+    assert!(transition.is_some(), "the first answer settles it down");
+    let writes_before = maps.writes;
+    // slots (2 lists) + records land, the first VIP switches, the second fails.
+    maps.failing_writes = 0;
+    let mut probe = maps.clone();
+    assert!(owner.write(&mut probe));
+    let writes_needed = probe.writes - writes_before;
+    let (mut owner, mut maps) = written();
+    owner.record_probe(0, &Err(ProbeFailure::Refused), "ok");
+    let mut limited = LimitedWrites {
+        inner: &mut maps,
+        left: writes_needed - 1,
+    };
+    assert!(!owner.write(&mut limited), "the last switch failed");
+    let split = (
+        maps.services[&vip("127.0.0.1:6444")].bank_base,
+        maps.services[&vip("127.0.0.5:6444")].bank_base,
+    );
+    assert_ne!(split.0, split.1, "the table is split between its banks");
+    assert_eq!(split.1, first.bank_base);
+    // The retry first points both VIPs at the newer bank; nothing in use is
+    // rewritten, and the table ends whole.
+    assert!(owner.write(&mut maps));
+    assert!(owner.verify(&maps).unwrap().is_empty());
+    let entries: Vec<u32> = [vip("127.0.0.1:6444"), vip("127.0.0.5:6444")]
+        .iter()
+        .map(|vip| maps.services[vip].bank_base)
+        .collect();
+    assert_eq!(entries[0], entries[1]);
+    assert_eq!(
+        effective(&maps)
+            .iter()
+            .find(|(found, _, _)| *found == vip("127.0.0.1:6444"))
+            .unwrap()
+            .1
+            .iter()
+            .filter(|slot| slot.backend_id == 0)
+            .count(),
+        0,
+        "the failed backend is out"
+    );
+}
+
+/// A store that lets `left` writes through, then fails every one.
+struct LimitedWrites<'a> {
+    inner: &'a mut MemoryMaps,
+    left: u32,
+}
+
+impl LimitedWrites<'_> {
+    fn spend(&mut self) -> Result<(), StoreError> {
+        if self.left == 0 {
+            return Err(StoreError::new("test", "no writes left"));
+        }
+        self.left -= 1;
+        Ok(())
+    }
+}
+
+impl MapStore for LimitedWrites<'_> {
+    fn services(&self) -> Result<Vec<(Endpoint, lb_common::ServiceEntry)>, StoreError> {
+        self.inner.services()
+    }
+    fn put_service(
+        &mut self,
+        vip: &Endpoint,
+        entry: &lb_common::ServiceEntry,
+    ) -> Result<(), StoreError> {
+        self.spend()?;
+        self.inner.put_service(vip, entry)
+    }
+    fn delete_service(&mut self, vip: &Endpoint) -> Result<(), StoreError> {
+        self.spend()?;
+        self.inner.delete_service(vip)
+    }
+    fn slots(&self, first: u32, count: u32) -> Result<Vec<BackendSlot>, StoreError> {
+        self.inner.slots(first, count)
+    }
+    fn put_slots(&mut self, first: u32, slots: &[BackendSlot]) -> Result<(), StoreError> {
+        self.spend()?;
+        self.inner.put_slots(first, slots)
+    }
+    fn backends(&self) -> Result<Vec<(u32, BackendInfo)>, StoreError> {
+        self.inner.backends()
+    }
+    fn put_backend(&mut self, id: u32, info: &BackendInfo) -> Result<(), StoreError> {
+        self.spend()?;
+        self.inner.put_backend(id, info)
+    }
+    fn delete_backend(&mut self, id: u32) -> Result<(), StoreError> {
+        self.spend()?;
+        self.inner.delete_backend(id)
+    }
+    fn tables(&self) -> Result<Vec<(u32, lb_common::TableInfo)>, StoreError> {
+        self.inner.tables()
+    }
+    fn put_table(&mut self, id: u32, info: &lb_common::TableInfo) -> Result<(), StoreError> {
+        self.spend()?;
+        self.inner.put_table(id, info)
+    }
+    fn delete_table(&mut self, id: u32) -> Result<(), StoreError> {
+        self.spend()?;
+        self.inner.delete_table(id)
+    }
+    fn settings(&self) -> Result<Settings, StoreError> {
+        self.inner.settings()
+    }
+    fn put_settings(&mut self, settings: &Settings) -> Result<(), StoreError> {
+        self.spend()?;
+        self.inner.put_settings(settings)
+    }
+    fn drains(&self) -> Result<std::collections::BTreeSet<Endpoint>, StoreError> {
+        self.inner.drains()
+    }
+    fn put_drain(&mut self, backend: &Endpoint) -> Result<(), StoreError> {
+        self.spend()?;
+        self.inner.put_drain(backend)
+    }
+    fn delete_drain(&mut self, backend: &Endpoint) -> Result<(), StoreError> {
+        self.spend()?;
+        self.inner.delete_drain(backend)
+    }
+    fn daemon(&self) -> Result<lb_common::DaemonRecord, StoreError> {
+        self.inner.daemon()
+    }
+    fn put_daemon(&mut self, record: &lb_common::DaemonRecord) -> Result<(), StoreError> {
+        self.inner.put_daemon(record)
+    }
+    fn reset_backend_counters(&mut self, id: u32) -> Result<(), StoreError> {
+        self.inner.reset_backend_counters(id)
+    }
+    fn reset_table_counters(&mut self, id: u32) -> Result<(), StoreError> {
+        self.inner.reset_table_counters(id)
+    }
+    fn connections(&self, id: u32) -> lb_common::BackendConns {
+        self.inner.connections(id)
+    }
+    fn redirects(&self, id: u32) -> u64 {
+        self.inner.redirects(id)
+    }
+    fn table_stats(&self, id: u32) -> lb_common::TableStats {
+        self.inner.table_stats(id)
+    }
+    fn redirected_to(&self, cookie: u64, backend: &Endpoint) -> bool {
+        self.inner.redirected_to(cookie, backend)
+    }
+}
+
+#[test]
+fn drains_are_asked_for_applied_and_undone() {
+    let (mut owner, mut maps) = written();
+    // (what, backend, drain, expected outcome)
+    let steps: [(&str, &str, bool, Result<DrainOutcome, ()>); 5] = [
+        ("unknown backend", "127.0.0.99:1", true, Err(())),
+        (
+            "undo of nothing",
+            "127.0.0.2:1",
+            false,
+            Ok(DrainOutcome::Unchanged(
+                "127.0.0.2:1 is not draining; nothing to do".into(),
+            )),
+        ),
+        ("drain", "127.0.0.2:1", true, Ok(DrainOutcome::Draining)),
+        (
+            "drain again",
+            "127.0.0.2:1",
+            true,
+            Ok(DrainOutcome::Unchanged(
+                "127.0.0.2:1 is already draining".into(),
+            )),
+        ),
+        ("undo", "127.0.0.2:1", false, Ok(DrainOutcome::Resumed)),
+    ];
+    for (what, backend, drain, expected) in steps {
+        let outcome = owner.request_drain(addr(backend), drain).map_err(|_| ());
+        assert_eq!(outcome, expected, "{what}");
+        assert!(owner.write(&mut maps), "{what}");
+        let draining = maps.drains.contains(&vip("127.0.0.2:1"));
+        let in_table = effective(&maps)
+            .iter()
+            .find(|(found, _, _)| *found == vip("127.0.0.1:6444"))
+            .unwrap()
+            .1
+            .iter()
+            .any(|slot| slot.backend_id == 0);
+        assert_eq!(
+            draining, !in_table,
+            "{what}: a drained backend leaves the table"
+        );
+    }
+}
+
+#[test]
+fn adoption_seeds_health_by_service_and_address() {
+    let (mut first, mut maps) = written();
+    // 127.0.0.3 is probed down, 127.0.0.2 probed up, 127.0.0.4 never probed.
+    first.record_probe(1, &Err(ProbeFailure::Refused), "ok");
+    first.record_probe(0, &Ok(()), "ok");
+    assert!(first.write(&mut maps));
+    // A new config: reordered (ids move), 127.0.0.6 dropped, one added.
+    let reordered = r#"
+        [[service]]
+        name = "api"
+        vips = ["127.0.0.1:6444", "127.0.0.5:6444"]
+        backends = ["127.0.0.4:1", "127.0.0.3:1,weight=2", "127.0.0.2:1", "127.0.0.8:1"]
+    "#;
+    let mut second = owner(reordered);
+    let removed = second.adopt(&maps).unwrap();
+    assert_eq!(removed, vec![addr("127.0.0.6:1")]);
+    let health = |owner: &Owner, text: &str| {
+        let (_, backend) = owner
+            .layout()
+            .backends()
+            .find(|(_, backend)| backend.addr == addr(text))
+            .unwrap();
+        owner.health(backend.id)
+    };
+    let cases = [
+        ("probed down stays down", "127.0.0.3:1", false, true),
+        ("probed up stays up", "127.0.0.2:1", true, true),
+        (
+            "never probed is assumed up, unsettled",
+            "127.0.0.4:1",
+            true,
+            false,
+        ),
+        (
+            "new backend is assumed up, unsettled",
+            "127.0.0.8:1",
+            true,
+            false,
+        ),
+    ];
+    for (what, backend, healthy, probed) in cases {
+        let state = health(&second, backend);
+        assert_eq!((state.healthy, state.probed), (healthy, probed), "{what}");
+    }
+    assert!(second.write(&mut maps));
+    assert!(second.verify(&maps).unwrap().is_empty());
+    assert!(
+        !maps.services.contains_key(&vip("127.0.0.1:2379")),
+        "the dropped service's VIP is gone"
+    );
+}

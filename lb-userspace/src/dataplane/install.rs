@@ -1,0 +1,195 @@
+//! Bringing the data plane up, whatever state the pin directory is in, and
+//! taking it down.
+//!
+//! There is one path for a fresh install, an adoption after a restart, and
+//! the completion of an install that a crash cut short:
+//!
+//! 1. load the programs, reusing every map that is pinned and creating the
+//!    others;
+//! 2. pin the new maps, one by one;
+//! 3. fill the maps (`prepare`): on a fresh install before anything is
+//!    attached, so the first redirected connect finds a full table;
+//! 4. adopt each pinned link that attaches the right program to the right
+//!    cgroup, and attach and pin a new link for each other one.
+//!
+//! A crash at any point leaves pins that the next start reuses, so it
+//! completes what was begun. Removal runs in the opposite order (links
+//! first, so redirection stops before the maps go); a removal cut short is
+//! finished by the next `uninstall`, or completed back into a running
+//! install by the next `run`.
+
+use std::{
+    os::fd::AsFd,
+    path::PathBuf,
+    sync::atomic::{AtomicU32, Ordering},
+};
+
+use aya::{Ebpf, maps::Map};
+use lb_common::names;
+
+use super::{
+    Attachment, BpfLogLevel, BpfMaps, CgroupTarget, KernelError, PinPaths, StoreError, object, sys,
+};
+
+/// Test-only: SIGKILL this process right after its N-th pin (or unpin), to
+/// prove that a crash at any point of an install (or uninstall) is
+/// completed by the next start. Never set in production.
+pub const CRASH_AFTER_PINS: &str = "SOCKLB_TEST_CRASH_AFTER_PINS";
+
+static PINS_DONE: AtomicU32 = AtomicU32::new(0);
+
+/// Counts one pin or unpin, and dies if the test switch says so.
+pub(crate) fn pinned_one() {
+    let done = PINS_DONE.fetch_add(1, Ordering::SeqCst) + 1;
+    let crash_at = std::env::var(CRASH_AFTER_PINS)
+        .ok()
+        .and_then(|text| text.parse::<u32>().ok());
+    if crash_at == Some(done) {
+        // SAFETY: raising a signal on ourselves; SIGKILL cannot be caught.
+        unsafe { libc::raise(libc::SIGKILL) };
+    }
+}
+
+/// A running data plane: the programs of this load, the maps, the links.
+pub struct Running {
+    pub ebpf: Ebpf,
+    pub maps: BpfMaps,
+    pub attachment: Attachment,
+    /// True when a previous install's maps were reused.
+    pub adopted: bool,
+    /// What was found wrong with pinned links and replaced, for the log.
+    pub notes: Vec<String>,
+}
+
+/// Refuses a start whose links serve another cgroup: adopting them would
+/// silently move every redirected process.
+fn check_links_serve(paths: &PinPaths, cgroup: &CgroupTarget) -> Result<(), KernelError> {
+    for (_, path) in paths.links() {
+        let Ok(fd) = sys::open_pinned(&path) else {
+            continue;
+        };
+        let Ok(info) = sys::link_info(fd.as_fd()) else {
+            continue;
+        };
+        // 0: detached or defunct; that link is replaced, whatever it served.
+        if info.cgroup_id != 0 && info.cgroup_id != cgroup.id {
+            return Err(KernelError::CgroupMismatch {
+                dir: paths.dir.clone(),
+                pinned: info.cgroup_id,
+                requested: cgroup.path.clone(),
+                requested_id: cgroup.id,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Brings the data plane up under `paths`, attached to `cgroup`; see the
+/// module documentation. `prepare` fills the maps.
+pub fn bring_up(
+    paths: &PinPaths,
+    cgroup: CgroupTarget,
+    log_level: BpfLogLevel,
+    prepare: impl FnOnce(&mut BpfMaps) -> Result<(), StoreError>,
+) -> Result<Running, KernelError> {
+    check_links_serve(paths, &cgroup)?;
+    let adopted = paths.map(names::SERVICES).exists();
+    let object::Loaded { mut ebpf, unpinned } = object::load(paths, log_level)?;
+    for name in unpinned {
+        let path = paths.map(name);
+        let map = ebpf.map(name).ok_or(KernelError::MissingMap(name))?;
+        map.pin(&path)
+            .map_err(|source| KernelError::Pin { path, source })?;
+        pinned_one();
+    }
+    let mut maps = BpfMaps::open(|name| take_map(&mut ebpf, name))?;
+    prepare(&mut maps)?;
+    let redirects_id = maps
+        .fd(names::REDIRECTS)
+        .ok_or(KernelError::MissingMap(names::REDIRECTS))
+        .and_then(|fd| {
+            sys::map_id(fd).map_err(|source| KernelError::Io {
+                path: paths.map(names::REDIRECTS),
+                source,
+            })
+        })?;
+    let (attachment, notes) = Attachment::establish(paths, cgroup, &mut ebpf, redirects_id)?;
+    Ok(Running {
+        ebpf,
+        maps,
+        attachment,
+        adopted,
+        notes,
+    })
+}
+
+fn take_map(ebpf: &mut Ebpf, name: &'static str) -> Result<Map, StoreError> {
+    ebpf.take_map(name)
+        .ok_or_else(|| StoreError::new(name, "not in the eBPF object"))
+}
+
+/// Map pins that are missing or hold another map, for the daemon to pin
+/// again from its own descriptors.
+pub fn missing_map_pins(paths: &PinPaths, maps: &BpfMaps) -> Vec<&'static str> {
+    names::MAPS
+        .into_iter()
+        .filter(|name| {
+            let Some(ours) = maps.fd(name).and_then(|fd| sys::map_id(fd).ok()) else {
+                return false;
+            };
+            let pinned = sys::open_pinned(&paths.map(name))
+                .and_then(|fd| sys::map_id(fd.as_fd()))
+                .ok();
+            pinned != Some(ours)
+        })
+        .collect()
+}
+
+/// Pins a map again from the daemon's descriptor (after someone removed
+/// its pin, or the whole directory).
+pub fn repin_map(paths: &PinPaths, maps: &BpfMaps, name: &'static str) -> Result<(), KernelError> {
+    super::pins::prepare_pin_dir(paths)?;
+    let path = paths.map(name);
+    let fd = maps.fd(name).ok_or(KernelError::MissingMap(name))?;
+    let _ = std::fs::remove_file(&path);
+    sys::pin(fd, &path).map_err(|source| KernelError::Io { path, source })
+}
+
+/// Removes every pin socklb owns under `paths`, links first so that
+/// redirection stops before the maps go, then the directory if it is
+/// empty. Returns what was removed. Nothing else is touched.
+pub fn remove_pins(paths: &PinPaths) -> Vec<PathBuf> {
+    let mut removed = Vec::new();
+    for path in paths.all() {
+        if std::fs::remove_file(&path).is_ok() {
+            removed.push(path);
+            pinned_one();
+        }
+    }
+    // Fails, harmlessly, if someone else keeps files there.
+    let _ = std::fs::remove_dir(&paths.dir);
+    removed
+}
+
+/// The shared map store of a pinned install, for the commands that only
+/// read or record (status, drain).
+pub fn open_pinned(paths: &PinPaths) -> Result<BpfMaps, KernelError> {
+    if !paths.map(names::SERVICES).exists() {
+        return Err(KernelError::NotInstalled(paths.dir.clone()));
+    }
+    Ok(BpfMaps::open_pinned(paths)?)
+}
+
+/// The ring buffer of failed connects that sock_ops fills.
+pub fn open_connect_failures(
+    paths: &PinPaths,
+) -> Result<aya::maps::RingBuf<aya::maps::MapData>, KernelError> {
+    let name = names::CONNECT_FAILURES;
+    let store_error = |source: aya::maps::MapError| StoreError::new(name, source);
+    let data = aya::maps::MapData::from_pin(paths.map(name))
+        .map_err(|source| StoreError::new(name, source))?;
+    Ok(Map::from_map_data(data)
+        .map_err(store_error)?
+        .try_into()
+        .map_err(store_error)?)
+}

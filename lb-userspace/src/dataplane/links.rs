@@ -1,0 +1,327 @@
+//! The links that attach socklb's programs to a cgroup: adopted or made at
+//! start, then checked against the kernel every pass and repaired.
+//!
+//! The daemon holds a descriptor of every link, so a link whose pin was
+//! removed stays attached and is simply pinned again. A link that was
+//! detached (`bpftool link detach`) or went defunct (its cgroup was removed)
+//! is replaced by a new one. A cgroup removed and created again at the same
+//! path (systemd does this on a service restart) gets new links.
+
+use std::{
+    collections::BTreeMap,
+    fmt,
+    fs::File,
+    os::{
+        fd::{AsFd, OwnedFd},
+        unix::fs::MetadataExt,
+    },
+    path::{Path, PathBuf},
+};
+
+use aya::Ebpf;
+use aya_obj::generated::bpf_attach_type;
+use lb_common::{names, repair};
+
+use super::{KernelError, PinPaths, object, sys};
+
+/// The kernel hook of each program.
+pub fn attach_type(program: &str) -> bpf_attach_type {
+    match program {
+        names::CONNECT4 => bpf_attach_type::BPF_CGROUP_INET4_CONNECT,
+        names::CONNECT6 => bpf_attach_type::BPF_CGROUP_INET6_CONNECT,
+        names::GETPEERNAME4 => bpf_attach_type::BPF_CGROUP_INET4_GETPEERNAME,
+        names::GETPEERNAME6 => bpf_attach_type::BPF_CGROUP_INET6_GETPEERNAME,
+        _ => bpf_attach_type::BPF_CGROUP_SOCK_OPS,
+    }
+}
+
+/// The cgroup socklb attaches to: its path and the id it had when the links
+/// were made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CgroupTarget {
+    pub path: PathBuf,
+    pub id: u64,
+}
+
+impl CgroupTarget {
+    /// The id of the cgroup at `path` now, if one is there.
+    pub fn current_id(path: &Path) -> Option<u64> {
+        std::fs::metadata(path).ok().map(|metadata| metadata.ino())
+    }
+}
+
+/// A difference between the links and what socklb attached.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LinkProblem {
+    /// Nothing is at the cgroup's path: nothing to attach to until a cgroup
+    /// appears there again.
+    CgroupGone,
+    /// A new cgroup was made at the path; the links attach to the old one.
+    CgroupRecreated { new_id: u64 },
+    /// The link no longer attaches anywhere (detached, or defunct).
+    Detached { program: &'static str },
+    /// The cgroup's list of programs for the hook lacks ours.
+    NotListed { program: &'static str },
+    /// The link's pin is gone; the link itself lives on in the daemon.
+    PinMissing { program: &'static str },
+    /// Something else is pinned where the link belongs.
+    PinReplaced { program: &'static str },
+}
+
+impl LinkProblem {
+    /// The `repair::*` kind a fix of this problem is counted under.
+    pub fn kind(&self) -> usize {
+        match self {
+            Self::CgroupGone | Self::CgroupRecreated { .. } => repair::CGROUP,
+            Self::Detached { .. } | Self::NotListed { .. } => repair::LINK,
+            Self::PinMissing { .. } | Self::PinReplaced { .. } => repair::LINK_PIN,
+        }
+    }
+}
+
+impl fmt::Display for LinkProblem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::CgroupGone => write!(f, "the attached cgroup was removed"),
+            Self::CgroupRecreated { new_id } => write!(
+                f,
+                "the attached cgroup was removed and created again (new id {new_id})"
+            ),
+            Self::Detached { program } => write!(f, "the link of {program} was detached"),
+            Self::NotListed { program } => {
+                write!(f, "the cgroup no longer lists {program} on its hook")
+            }
+            Self::PinMissing { program } => write!(f, "the pin of {program}'s link was removed"),
+            Self::PinReplaced { program } => {
+                write!(f, "something else was pinned in place of {program}'s link")
+            }
+        }
+    }
+}
+
+/// The links of one install, held by the daemon.
+pub struct Attachment {
+    paths: PinPaths,
+    cgroup: CgroupTarget,
+    /// A descriptor of each link: it keeps the link alive when its pin is
+    /// removed, and lets the daemon pin it again.
+    links: BTreeMap<&'static str, OwnedFd>,
+}
+
+/// What a pinned link says of itself.
+fn pinned_link(path: &Path) -> Option<(std::os::fd::OwnedFd, sys::LinkInfo)> {
+    let fd = sys::open_pinned(path).ok()?;
+    let info = sys::link_info(fd.as_fd()).ok()?;
+    Some((fd, info))
+}
+
+/// Whether a program uses the map with this id (a program of this install
+/// uses its REDIRECTS map).
+fn program_uses_map(program_id: u32, map_id: u32) -> bool {
+    sys::prog_fd_by_id(program_id)
+        .and_then(|fd| sys::prog_info(fd.as_fd()))
+        .is_ok_and(|info| info.map_ids.contains(&map_id))
+}
+
+/// Pins the link behind `fd` at its path, replacing what is there in one
+/// rename so that the path never stands empty.
+fn pin_fd(paths: &PinPaths, program: &'static str, fd: &OwnedFd) -> Result<(), KernelError> {
+    let staging = paths.link_staging(program);
+    let _ = std::fs::remove_file(&staging);
+    sys::pin(fd.as_fd(), &staging).map_err(|source| KernelError::Io {
+        path: staging.clone(),
+        source,
+    })?;
+    let target = paths.link(program);
+    std::fs::rename(&staging, &target).map_err(|source| KernelError::Io {
+        path: target,
+        source,
+    })?;
+    super::install::pinned_one();
+    Ok(())
+}
+
+/// Attaches a new link for `program` and pins it; returns a descriptor of
+/// it that the daemon keeps.
+fn attach_and_pin(
+    paths: &PinPaths,
+    ebpf: &mut Ebpf,
+    program: &'static str,
+    cgroup: &File,
+) -> Result<OwnedFd, KernelError> {
+    let link = object::attach(ebpf, program, cgroup)?;
+    let staging = paths.link_staging(program);
+    let _ = std::fs::remove_file(&staging);
+    // aya keeps the link's descriptor to itself; the pin lends us one.
+    let pinned = link.pin(&staging).map_err(|source| KernelError::Pin {
+        path: staging.clone(),
+        source,
+    })?;
+    let fd = sys::open_pinned(&staging).map_err(|source| KernelError::Io {
+        path: staging.clone(),
+        source,
+    })?;
+    drop(pinned);
+    let target = paths.link(program);
+    std::fs::rename(&staging, &target).map_err(|source| KernelError::Io {
+        path: target,
+        source,
+    })?;
+    super::install::pinned_one();
+    Ok(fd)
+}
+
+fn open_cgroup(cgroup: &CgroupTarget) -> Result<File, KernelError> {
+    File::open(&cgroup.path).map_err(|source| KernelError::Io {
+        path: cgroup.path.clone(),
+        source,
+    })
+}
+
+impl Attachment {
+    /// Adopts each pinned link that attaches the right program to the
+    /// cgroup, and attaches (and pins) a new one for each that does not.
+    /// `map_id` is the id of this install's REDIRECTS map.
+    pub fn establish(
+        paths: &PinPaths,
+        cgroup: CgroupTarget,
+        ebpf: &mut Ebpf,
+        map_id: u32,
+    ) -> Result<(Self, Vec<String>), KernelError> {
+        let cgroup_file = open_cgroup(&cgroup)?;
+        let mut attachment = Self {
+            paths: paths.clone(),
+            cgroup,
+            links: BTreeMap::new(),
+        };
+        let mut notes = Vec::new();
+        for program in names::PROGRAMS {
+            let path = paths.link(program);
+            let adopted = pinned_link(&path).filter(|(_, info)| {
+                info.cgroup_id == attachment.cgroup.id && program_uses_map(info.prog_id, map_id)
+            });
+            match adopted {
+                Some((fd, _)) => {
+                    attachment.links.insert(program, fd);
+                }
+                None => {
+                    if path.exists() {
+                        notes.push(format!(
+                            "{}: not attached to {} with this install's maps; replaced",
+                            path.display(),
+                            attachment.cgroup.path.display()
+                        ));
+                    }
+                    let fd = attach_and_pin(paths, ebpf, program, &cgroup_file)?;
+                    attachment.links.insert(program, fd);
+                }
+            }
+        }
+        Ok((attachment, notes))
+    }
+
+    pub fn cgroup(&self) -> &CgroupTarget {
+        &self.cgroup
+    }
+
+    /// Compares the links with the kernel: the cgroup at the path, each
+    /// link's target, the cgroup's program lists, and the pins.
+    pub fn check(&self) -> Vec<LinkProblem> {
+        let mut problems = Vec::new();
+        match CgroupTarget::current_id(&self.cgroup.path) {
+            None => return vec![LinkProblem::CgroupGone],
+            Some(id) if id != self.cgroup.id => {
+                return vec![LinkProblem::CgroupRecreated { new_id: id }];
+            }
+            Some(_) => {}
+        }
+        let cgroup_file = File::open(&self.cgroup.path).ok();
+        for (program, fd) in &self.links {
+            let Ok(info) = sys::link_info(fd.as_fd()) else {
+                problems.push(LinkProblem::Detached { program });
+                continue;
+            };
+            if info.cgroup_id != self.cgroup.id {
+                problems.push(LinkProblem::Detached { program });
+                continue;
+            }
+            let listed = cgroup_file.as_ref().is_none_or(|file| {
+                sys::cgroup_programs(file.as_fd(), attach_type(program))
+                    .map_or(true, |ids| ids.contains(&info.prog_id))
+            });
+            if !listed {
+                problems.push(LinkProblem::NotListed { program });
+                continue;
+            }
+            match pinned_link(&self.paths.link(program)) {
+                None => problems.push(LinkProblem::PinMissing { program }),
+                Some((_, pinned)) if pinned.id != info.id => {
+                    problems.push(LinkProblem::PinReplaced { program })
+                }
+                Some(_) => {}
+            }
+        }
+        problems
+    }
+
+    /// Repairs what `check` found. Returns a line for each repair made;
+    /// a cgroup that is gone cannot be repaired until it returns.
+    pub fn repair(
+        &mut self,
+        ebpf: &mut Ebpf,
+        problems: &[LinkProblem],
+    ) -> Result<Vec<(usize, String)>, KernelError> {
+        let mut done = Vec::new();
+        for problem in problems {
+            match problem {
+                LinkProblem::CgroupGone => {}
+                LinkProblem::CgroupRecreated { new_id } => {
+                    self.cgroup.id = *new_id;
+                    let cgroup_file = open_cgroup(&self.cgroup)?;
+                    for program in names::PROGRAMS {
+                        self.replace_link(ebpf, program, &cgroup_file)?;
+                    }
+                    done.push((
+                        problem.kind(),
+                        format!(
+                            "{problem}; attached every program to the new cgroup at {}",
+                            self.cgroup.path.display()
+                        ),
+                    ));
+                }
+                LinkProblem::Detached { program } | LinkProblem::NotListed { program } => {
+                    let cgroup_file = open_cgroup(&self.cgroup)?;
+                    self.replace_link(ebpf, program, &cgroup_file)?;
+                    done.push((
+                        problem.kind(),
+                        format!("{problem}; attached a new link and pinned it"),
+                    ));
+                }
+                LinkProblem::PinMissing { program } | LinkProblem::PinReplaced { program } => {
+                    if let Some(fd) = self.links.get(program) {
+                        pin_fd(&self.paths, program, fd)?;
+                        done.push((problem.kind(), format!("{problem}; pinned it again")));
+                    }
+                }
+            }
+        }
+        Ok(done)
+    }
+
+    fn replace_link(
+        &mut self,
+        ebpf: &mut Ebpf,
+        program: &'static str,
+        cgroup: &File,
+    ) -> Result<(), KernelError> {
+        let fd = attach_and_pin(&self.paths, ebpf, program, cgroup)?;
+        // The old link (if any) is dropped here; its pin was replaced.
+        self.links.insert(program, fd);
+        Ok(())
+    }
+
+    /// Gives up the links without detaching them: their pins keep them.
+    pub fn release(self) {
+        drop(self.links);
+    }
+}

@@ -1,0 +1,261 @@
+//! Where socklb pins its objects, and the checks that keep another user
+//! out of that directory.
+//!
+//! Every path derives from one pin directory: a map is pinned under its
+//! name, a link as `link_<program>`. socklb creates the directory 0700 and
+//! refuses one that another user owns or that others can write: /sys/fs/bpf
+//! is often mode 1777, so any user could otherwise pre-create the directory
+//! and later unlink our pins.
+
+use std::{
+    fs::DirBuilder,
+    os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt},
+    path::{Path, PathBuf},
+};
+
+use lb_common::names;
+
+use super::KernelError;
+
+/// Where socklb pins its objects unless told otherwise.
+pub const DEFAULT_PIN_PATH: &str = "/sys/fs/bpf/socklb";
+
+/// Every path socklb pins, derived from one directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PinPaths {
+    pub dir: PathBuf,
+}
+
+impl PinPaths {
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        Self { dir: dir.into() }
+    }
+
+    pub fn map(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    pub fn link(&self, program: &str) -> PathBuf {
+        self.dir.join(format!("link_{program}"))
+    }
+
+    /// Where a new link is pinned before it is renamed over the old pin, so
+    /// that the pin path never stands empty. (bpffs refuses dots in names.)
+    pub fn link_staging(&self, program: &str) -> PathBuf {
+        self.dir.join(format!("new_link_{program}"))
+    }
+
+    /// The maps socklb pins here.
+    pub fn maps(&self) -> impl Iterator<Item = (&'static str, PathBuf)> + '_ {
+        names::MAPS.iter().map(|name| (*name, self.map(name)))
+    }
+
+    /// The link pins socklb owns here.
+    pub fn links(&self) -> impl Iterator<Item = (&'static str, PathBuf)> + '_ {
+        names::PROGRAMS
+            .iter()
+            .map(|program| (*program, self.link(program)))
+    }
+
+    /// Every pin socklb may own here, links first (removing them detaches).
+    pub fn all(&self) -> Vec<PathBuf> {
+        let staging = names::PROGRAMS
+            .iter()
+            .map(|program| self.link_staging(program));
+        let links = self.links().map(|(_, path)| path);
+        let maps = self.maps().map(|(_, path)| path);
+        staging.chain(links).chain(maps).collect()
+    }
+
+    /// Whether anything of socklb is pinned here.
+    pub fn any_pinned(&self) -> bool {
+        self.all().iter().any(|path| path.exists())
+    }
+}
+
+/// `statfs` magic of bpffs.
+const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
+/// Where bpffs lives by convention.
+const BPFFS_MOUNT: &str = "/sys/fs/bpf";
+
+fn fs_magic(path: &Path) -> Option<i64> {
+    let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
+    // SAFETY: statfs writes into the zeroed struct we own.
+    let mut stat: libc::statfs = unsafe { std::mem::zeroed() };
+    (unsafe { libc::statfs(c_path.as_ptr(), &mut stat) } == 0).then_some(stat.f_type as i64)
+}
+
+/// Makes sure the pin directory can live on bpffs. Some hosts boot without
+/// bpffs mounted; as Cilium and bpftool do, socklb then mounts it at
+/// /sys/fs/bpf (and only there), mode 0700. Returns whether it mounted it.
+pub fn ensure_bpffs(paths: &PinPaths) -> Result<bool, KernelError> {
+    let existing = paths
+        .dir
+        .ancestors()
+        .find(|dir| dir.exists())
+        .unwrap_or(Path::new("/"));
+    if fs_magic(existing) == Some(BPF_FS_MAGIC) {
+        return Ok(false);
+    }
+    let mount_point = Path::new(BPFFS_MOUNT);
+    if !paths.dir.starts_with(mount_point) || existing != mount_point {
+        return Err(KernelError::NotBpffs(paths.dir.clone()));
+    }
+    let source = c"bpf";
+    let target = c"/sys/fs/bpf";
+    let options = c"mode=0700";
+    // SAFETY: plain mount(2) with static NUL-terminated strings.
+    let result = unsafe {
+        libc::mount(
+            source.as_ptr(),
+            target.as_ptr(),
+            source.as_ptr(),
+            0,
+            options.as_ptr().cast(),
+        )
+    };
+    if result != 0 {
+        return Err(KernelError::Mount {
+            path: mount_point.to_path_buf(),
+            source: std::io::Error::last_os_error(),
+        });
+    }
+    Ok(true)
+}
+
+/// Why a directory on the way to the pins is not safe to use.
+fn unsafe_dir(path: &Path, euid: u32, final_dir: bool) -> Option<String> {
+    let metadata = match std::fs::symlink_metadata(path) {
+        Ok(metadata) => metadata,
+        Err(error) => return Some(error.to_string()),
+    };
+    if metadata.file_type().is_symlink() {
+        return Some("is a symbolic link".into());
+    }
+    if !metadata.is_dir() {
+        return Some("is not a directory".into());
+    }
+    let mode = metadata.permissions().mode();
+    let owner = metadata.uid();
+    if final_dir {
+        if owner != euid {
+            return Some(format!(
+                "is owned by uid {owner}, not by this process (uid {euid})"
+            ));
+        }
+        if mode & 0o022 != 0 {
+            return Some(format!(
+                "mode {:o} lets group or others write it (socklb needs 0700)",
+                mode & 0o7777
+            ));
+        }
+        return None;
+    }
+    // A parent that others can write must be sticky (as /sys/fs/bpf with
+    // mode 1777 is), so that nobody can rename our directory away.
+    if owner != 0 && owner != euid {
+        return Some(format!("is owned by uid {owner}"));
+    }
+    if mode & 0o022 != 0 && mode & 0o1000 == 0 {
+        return Some(format!(
+            "mode {:o} lets others replace what is in it",
+            mode & 0o7777
+        ));
+    }
+    None
+}
+
+fn euid() -> u32 {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() }
+}
+
+/// Checks the pin directory and its parents, creating it (0700) when it is
+/// missing. Refuses a directory another user owns or can write.
+pub fn prepare_pin_dir(paths: &PinPaths) -> Result<(), KernelError> {
+    let euid = euid();
+    let refuse = |path: &Path, problem: String| KernelError::UnsafePinDir {
+        path: path.to_path_buf(),
+        problem,
+    };
+    if let Some(parent) = paths.dir.parent() {
+        for ancestor in parent.ancestors().filter(|dir| dir.exists()) {
+            if let Some(problem) = unsafe_dir(ancestor, euid, false) {
+                return Err(refuse(ancestor, problem));
+            }
+        }
+    }
+    if std::fs::symlink_metadata(&paths.dir).is_err() {
+        DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&paths.dir)
+            .map_err(|source| KernelError::Io {
+                path: paths.dir.clone(),
+                source,
+            })?;
+    }
+    match unsafe_dir(&paths.dir, euid, true) {
+        Some(problem) => Err(refuse(&paths.dir, problem)),
+        None => Ok(()),
+    }
+}
+
+/// Checks an existing pin directory without creating anything (for the
+/// commands that only read or remove).
+pub fn check_pin_dir(paths: &PinPaths) -> Result<(), KernelError> {
+    match unsafe_dir(&paths.dir, euid(), true) {
+        Some(problem) if paths.dir.exists() => Err(KernelError::UnsafePinDir {
+            path: paths.dir.clone(),
+            problem,
+        }),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn link_and_map_paths() {
+        let paths = PinPaths::new("/sys/fs/bpf/socklb");
+        assert_eq!(
+            paths.link("socklb_connect4"),
+            PathBuf::from("/sys/fs/bpf/socklb/link_socklb_connect4")
+        );
+        assert_eq!(
+            paths.map("SLOTS"),
+            PathBuf::from("/sys/fs/bpf/socklb/SLOTS")
+        );
+        let all = paths.all();
+        let first_map = all
+            .iter()
+            .position(|path| path.ends_with(names::SERVICES))
+            .unwrap();
+        assert!(
+            all[..first_map]
+                .iter()
+                .all(|path| path.to_string_lossy().contains("link_")),
+            "links come before maps"
+        );
+    }
+
+    #[test]
+    fn a_directory_others_can_write_is_refused() {
+        let dir = std::env::temp_dir().join(format!("socklb-pins-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let paths = PinPaths::new(&dir);
+        prepare_pin_dir(&paths).expect("creates it 0700");
+        let mode = std::fs::metadata(&dir).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o700);
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        let error = prepare_pin_dir(&paths).unwrap_err().to_string();
+        assert!(error.contains("lets group or others write"), "{error}");
+        std::fs::remove_dir(&dir).unwrap();
+        std::os::unix::fs::symlink("/tmp", &dir).unwrap();
+        let error = prepare_pin_dir(&paths).unwrap_err().to_string();
+        assert!(error.contains("symbolic link"), "{error}");
+        std::fs::remove_file(&dir).unwrap();
+    }
+}

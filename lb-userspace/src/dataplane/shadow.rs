@@ -1,0 +1,221 @@
+//! Finding another socklb install that would shadow this one, or be
+//! shadowed by it: one whose connect programs attach to this cgroup, an
+//! ancestor or a descendant, and whose SERVICES map holds one of our VIPs.
+//! Whichever attached first would take every connect to that VIP, and the
+//! other would show healthy backends and no redirects.
+
+use std::{
+    collections::HashSet,
+    fmt,
+    net::SocketAddr,
+    os::{fd::AsFd, unix::fs::MetadataExt},
+    path::{Path, PathBuf},
+};
+
+use aya_obj::generated::bpf_attach_type;
+use lb_common::{Endpoint, ServiceEntry, names};
+
+use super::{CgroupTarget, PinPaths, sys};
+use crate::planner::socket_addr;
+
+/// Where a related cgroup sits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Relation {
+    Same,
+    Ancestor,
+    Descendant,
+}
+
+/// Another install that serves one of our VIPs on a related cgroup.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OtherInstall {
+    /// Its pin directory, when a pin of its links was found.
+    pub pin_path: Option<PathBuf>,
+    pub relation: Relation,
+    pub vips: Vec<SocketAddr>,
+}
+
+impl fmt::Display for OtherInstall {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let vips: Vec<String> = self.vips.iter().map(ToString::to_string).collect();
+        let place = match self.relation {
+            Relation::Same => "on the same cgroup",
+            Relation::Ancestor => "on an ancestor cgroup",
+            Relation::Descendant => "on a descendant cgroup",
+        };
+        match &self.pin_path {
+            Some(path) => write!(
+                f,
+                "VIP {} is also served by the socklb install at {} ({place})",
+                vips.join(", "),
+                path.display()
+            ),
+            None => write!(
+                f,
+                "VIP {} is also served by another socklb install whose pins were not found ({place})",
+                vips.join(", ")
+            ),
+        }
+    }
+}
+
+/// Inode numbers (cgroup ids) of the cgroup's ancestors up to the mount.
+fn ancestor_ids(cgroup: &Path) -> HashSet<u64> {
+    let root = crate::cgroup::v2_root().unwrap_or_else(|_| PathBuf::from("/"));
+    cgroup
+        .ancestors()
+        .skip(1)
+        .take_while(|dir| dir.starts_with(&root))
+        .filter_map(|dir| std::fs::metadata(dir).ok().map(|meta| meta.ino()))
+        .collect()
+}
+
+/// Whether a cgroup with this id lies below `dir` (a bounded walk).
+fn is_descendant(dir: &Path, id: u64) -> bool {
+    let mut pending = vec![dir.to_path_buf()];
+    let mut visited = 0;
+    while let Some(current) = pending.pop() {
+        let Ok(entries) = std::fs::read_dir(&current) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            visited += 1;
+            if visited > 200_000 {
+                return false;
+            }
+            if !entry.file_type().is_ok_and(|kind| kind.is_dir()) {
+                continue;
+            }
+            if entry.metadata().is_ok_and(|meta| meta.ino() == id) {
+                return true;
+            }
+            pending.push(entry.path());
+        }
+    }
+    false
+}
+
+/// The pin directory under /sys/fs/bpf holding a pinned link with this id.
+fn pin_dir_of_link(link_id: u32) -> Option<PathBuf> {
+    let mut pending = vec![(PathBuf::from("/sys/fs/bpf"), 0)];
+    let mut visited = 0;
+    while let Some((dir, depth)) = pending.pop() {
+        for entry in std::fs::read_dir(&dir).ok()?.flatten() {
+            visited += 1;
+            if visited > 20_000 {
+                return None;
+            }
+            let path = entry.path();
+            if entry.file_type().is_ok_and(|kind| kind.is_dir()) {
+                if depth < 4 {
+                    pending.push((path, depth + 1));
+                }
+                continue;
+            }
+            let is_connect_link = entry
+                .file_name()
+                .to_str()
+                .is_some_and(|name| name.starts_with("link_socklb_connect"));
+            if is_connect_link
+                && sys::open_pinned(&path)
+                    .and_then(|fd| sys::link_info(fd.as_fd()))
+                    .is_ok_and(|info| info.id == link_id)
+            {
+                return Some(dir);
+            }
+        }
+    }
+    None
+}
+
+/// The VIPs in the SERVICES map of the program with this id.
+fn vips_of_program(program_id: u32) -> Vec<Endpoint> {
+    let Ok(info) = sys::prog_fd_by_id(program_id).and_then(|fd| sys::prog_info(fd.as_fd())) else {
+        return Vec::new();
+    };
+    for map_id in info.map_ids {
+        let Ok(fd) = sys::map_fd_by_id(map_id) else {
+            continue;
+        };
+        let is_services = aya::maps::MapInfo::from_id(map_id)
+            .ok()
+            .and_then(|map| map.name_as_str().map(|name| name == names::SERVICES))
+            .unwrap_or(false);
+        if !is_services {
+            continue;
+        }
+        return sys::lookup_batch::<Endpoint, ServiceEntry>(fd.as_fd(), None, 4096)
+            .map(|entries| entries.into_iter().map(|(vip, _)| vip).collect())
+            .unwrap_or_default();
+    }
+    Vec::new()
+}
+
+/// Other socklb installs that serve one of `vips` on a related cgroup.
+/// Links pinned under `ours` are this install's own and are skipped.
+pub fn overlapping(
+    ours: &PinPaths,
+    cgroup: &CgroupTarget,
+    vips: &[Endpoint],
+) -> std::io::Result<Vec<OtherInstall>> {
+    let own_links: HashSet<u32> = ours
+        .links()
+        .filter_map(|(_, path)| sys::open_pinned(&path).ok())
+        .filter_map(|fd| sys::link_info(fd.as_fd()).ok())
+        .map(|info| info.id)
+        .collect();
+    let ancestors = ancestor_ids(&cgroup.path);
+    let wanted: HashSet<Endpoint> = vips.iter().copied().collect();
+    let connect_hooks = [
+        bpf_attach_type::BPF_CGROUP_INET4_CONNECT as u32,
+        bpf_attach_type::BPF_CGROUP_INET6_CONNECT as u32,
+    ];
+    let mut others: Vec<OtherInstall> = Vec::new();
+    for link_id in sys::link_ids()? {
+        if own_links.contains(&link_id) {
+            continue;
+        }
+        let Ok(info) = sys::link_fd_by_id(link_id).and_then(|fd| sys::link_info(fd.as_fd())) else {
+            continue;
+        };
+        if info.link_type != sys::LINK_TYPE_CGROUP
+            || info.cgroup_id == 0
+            || !connect_hooks.contains(&info.attach_type)
+        {
+            continue;
+        }
+        let is_socklb = sys::prog_fd_by_id(info.prog_id)
+            .and_then(|fd| sys::prog_info(fd.as_fd()))
+            .is_ok_and(|prog| prog.name == names::CONNECT4 || prog.name == names::CONNECT6);
+        if !is_socklb {
+            continue;
+        }
+        let relation = if info.cgroup_id == cgroup.id {
+            Relation::Same
+        } else if ancestors.contains(&info.cgroup_id) {
+            Relation::Ancestor
+        } else if is_descendant(&cgroup.path, info.cgroup_id) {
+            Relation::Descendant
+        } else {
+            continue;
+        };
+        let shared: Vec<SocketAddr> = vips_of_program(info.prog_id)
+            .iter()
+            .filter(|vip| wanted.contains(vip))
+            .filter_map(socket_addr)
+            .collect();
+        if shared.is_empty() {
+            continue;
+        }
+        let other = OtherInstall {
+            pin_path: pin_dir_of_link(link_id),
+            relation,
+            vips: shared,
+        };
+        // connect4 and connect6 of one install share their maps.
+        if !others.contains(&other) {
+            others.push(other);
+        }
+    }
+    Ok(others)
+}

@@ -1,0 +1,510 @@
+//! The maps behind a small trait, so that what the daemon decides (write a
+//! table, verify it, repair it, drain, seed health on adoption) is tested
+//! without root against [`MemoryMaps`], and runs against [`BpfMaps`].
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    os::fd::{AsFd, OwnedFd},
+};
+
+use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, MapError, PerCpuArray, PerCpuValues};
+use lb_common::{
+    BackendConns, BackendInfo, BackendSlot, BackendStats, DaemonRecord, Endpoint, MAX_BACKENDS,
+    MAX_DRAINS, MAX_SLOTS, MAX_TABLES, MAX_VIPS, RedirectedSocket, ServiceEntry, Settings,
+    TableInfo, TableStats, names,
+};
+
+use super::sys;
+
+/// A map operation that failed, naming the map.
+#[derive(Debug, thiserror::Error)]
+#[error("map {map}")]
+pub struct StoreError {
+    pub map: &'static str,
+    #[source]
+    pub source: Box<dyn std::error::Error + Send + Sync>,
+}
+
+impl StoreError {
+    pub fn new(
+        map: &'static str,
+        source: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        Self {
+            map,
+            source: source.into(),
+        }
+    }
+}
+
+fn failed<E: Into<Box<dyn std::error::Error + Send + Sync>>>(
+    map: &'static str,
+) -> impl FnOnce(E) -> StoreError {
+    move |source| StoreError::new(map, source)
+}
+
+/// What socklb reads and writes in its maps. The kernel's counters are read
+/// and reset only; everything else is written by the daemon alone (or by
+/// `socklb drain` while no daemon runs).
+pub trait MapStore {
+    fn services(&self) -> Result<Vec<(Endpoint, ServiceEntry)>, StoreError>;
+    fn put_service(&mut self, vip: &Endpoint, entry: &ServiceEntry) -> Result<(), StoreError>;
+    fn delete_service(&mut self, vip: &Endpoint) -> Result<(), StoreError>;
+    /// `count` slots from index `first` of `SLOTS`.
+    fn slots(&self, first: u32, count: u32) -> Result<Vec<BackendSlot>, StoreError>;
+    fn put_slots(&mut self, first: u32, slots: &[BackendSlot]) -> Result<(), StoreError>;
+    fn backends(&self) -> Result<Vec<(u32, BackendInfo)>, StoreError>;
+    fn put_backend(&mut self, id: u32, info: &BackendInfo) -> Result<(), StoreError>;
+    fn delete_backend(&mut self, id: u32) -> Result<(), StoreError>;
+    fn tables(&self) -> Result<Vec<(u32, TableInfo)>, StoreError>;
+    fn put_table(&mut self, id: u32, info: &TableInfo) -> Result<(), StoreError>;
+    fn delete_table(&mut self, id: u32) -> Result<(), StoreError>;
+    fn settings(&self) -> Result<Settings, StoreError>;
+    fn put_settings(&mut self, settings: &Settings) -> Result<(), StoreError>;
+    fn drains(&self) -> Result<BTreeSet<Endpoint>, StoreError>;
+    fn put_drain(&mut self, backend: &Endpoint) -> Result<(), StoreError>;
+    fn delete_drain(&mut self, backend: &Endpoint) -> Result<(), StoreError>;
+    fn daemon(&self) -> Result<DaemonRecord, StoreError>;
+    fn put_daemon(&mut self, record: &DaemonRecord) -> Result<(), StoreError>;
+    /// Zeroes a backend's redirect and connection counters (a reused id).
+    fn reset_backend_counters(&mut self, id: u32) -> Result<(), StoreError>;
+    /// Zeroes a table's "none healthy" counters (a reused id).
+    fn reset_table_counters(&mut self, id: u32) -> Result<(), StoreError>;
+    /// What sock_ops counted for one backend; `live` clamped at zero.
+    fn connections(&self, id: u32) -> BackendConns;
+    /// Redirects of one backend, summed over CPUs.
+    fn redirects(&self, id: u32) -> u64;
+    /// "None healthy" counters of one table, summed over CPUs.
+    fn table_stats(&self, id: u32) -> TableStats;
+    /// Whether socklb sent the socket with this cookie to `backend`.
+    fn redirected_to(&self, cookie: u64, backend: &Endpoint) -> bool;
+}
+
+/// The pinned (or freshly loaded) maps, typed, with a duplicate descriptor
+/// of each for batch reads and for pinning it again.
+pub struct BpfMaps {
+    services: BpfHashMap<MapData, Endpoint, ServiceEntry>,
+    slots: Array<MapData, BackendSlot>,
+    redirects: BpfHashMap<MapData, u64, RedirectedSocket>,
+    backends: BpfHashMap<MapData, u32, BackendInfo>,
+    tables: BpfHashMap<MapData, u32, TableInfo>,
+    backend_stats: PerCpuArray<MapData, BackendStats>,
+    backend_conns: Array<MapData, BackendConns>,
+    drains: BpfHashMap<MapData, Endpoint, u32>,
+    table_stats: PerCpuArray<MapData, TableStats>,
+    settings: Array<MapData, Settings>,
+    daemon: Array<MapData, DaemonRecord>,
+    fds: BTreeMap<&'static str, OwnedFd>,
+}
+
+/// The data of a map of the kinds socklb uses.
+fn map_data(map: &Map) -> Option<&MapData> {
+    match map {
+        Map::Array(data)
+        | Map::HashMap(data)
+        | Map::LruHashMap(data)
+        | Map::PerCpuArray(data)
+        | Map::RingBuf(data) => Some(data),
+        _ => None,
+    }
+}
+
+impl BpfMaps {
+    /// Opens every map through `open(name)`, typed.
+    pub fn open(
+        mut open: impl FnMut(&'static str) -> Result<Map, StoreError>,
+    ) -> Result<Self, StoreError> {
+        let mut fds = BTreeMap::new();
+        let mut take = |name: &'static str| -> Result<Map, StoreError> {
+            let map = open(name)?;
+            let data = map_data(&map)
+                .ok_or_else(|| StoreError::new(name, "a map of an unexpected type"))?;
+            let fd = data
+                .fd()
+                .as_fd()
+                .try_clone_to_owned()
+                .map_err(failed(name))?;
+            fds.insert(name, fd);
+            Ok(map)
+        };
+        macro_rules! typed {
+            ($name:expr) => {
+                take($name)?.try_into().map_err(failed::<MapError>($name))?
+            };
+        }
+        let maps = Self {
+            services: typed!(names::SERVICES),
+            slots: typed!(names::SLOTS),
+            redirects: typed!(names::REDIRECTS),
+            backends: typed!(names::BACKENDS),
+            tables: typed!(names::TABLES),
+            backend_stats: typed!(names::BACKEND_STATS),
+            backend_conns: typed!(names::BACKEND_CONNS),
+            drains: typed!(names::DRAINS),
+            table_stats: typed!(names::TABLE_STATS),
+            settings: typed!(names::SETTINGS),
+            daemon: typed!(names::DAEMON),
+            fds: BTreeMap::new(),
+        };
+        // The ring buffer is read by the daemon through its own handle; only
+        // its descriptor is kept here, to pin it again if need be.
+        take(names::CONNECT_FAILURES)?;
+        Ok(Self { fds, ..maps })
+    }
+
+    /// Opens the maps pinned under a directory.
+    pub fn open_pinned(paths: &super::PinPaths) -> Result<Self, StoreError> {
+        Self::open(|name| {
+            let data = MapData::from_pin(paths.map(name)).map_err(failed::<MapError>(name))?;
+            Map::from_map_data(data).map_err(failed::<MapError>(name))
+        })
+    }
+
+    /// The descriptor of a map, for pinning it again.
+    pub fn fd(&self, name: &str) -> Option<std::os::fd::BorrowedFd<'_>> {
+        self.fds.get(name).map(AsFd::as_fd)
+    }
+
+    fn dump<K: aya::Pod + Default, V: aya::Pod + Default>(
+        &self,
+        name: &'static str,
+        limit: u32,
+    ) -> Result<Vec<(K, V)>, StoreError> {
+        let fd = self
+            .fd(name)
+            .ok_or_else(|| StoreError::new(name, "not open"))?;
+        sys::lookup_batch(fd, None, limit as usize).map_err(failed(name))
+    }
+}
+
+fn per_cpu_zeros<T: aya::Pod + Default + Clone>(
+    map: &'static str,
+) -> Result<PerCpuValues<T>, StoreError> {
+    let cpus = aya::util::nr_cpus().map_err(|(_, error)| StoreError::new(map, error))?;
+    PerCpuValues::try_from(vec![T::default(); cpus]).map_err(failed(map))
+}
+
+fn absent_is_ok(result: Result<(), MapError>) -> Result<(), MapError> {
+    match result {
+        Err(MapError::KeyNotFound) => Ok(()),
+        other => other,
+    }
+}
+
+impl MapStore for BpfMaps {
+    fn services(&self) -> Result<Vec<(Endpoint, ServiceEntry)>, StoreError> {
+        self.dump(names::SERVICES, MAX_VIPS)
+    }
+
+    fn put_service(&mut self, vip: &Endpoint, entry: &ServiceEntry) -> Result<(), StoreError> {
+        self.services
+            .insert(vip, entry, 0)
+            .map_err(failed(names::SERVICES))
+    }
+
+    fn delete_service(&mut self, vip: &Endpoint) -> Result<(), StoreError> {
+        absent_is_ok(self.services.remove(vip)).map_err(failed(names::SERVICES))
+    }
+
+    fn slots(&self, first: u32, count: u32) -> Result<Vec<BackendSlot>, StoreError> {
+        if count == 0 {
+            return Ok(Vec::new());
+        }
+        let fd = self
+            .fd(names::SLOTS)
+            .ok_or_else(|| StoreError::new(names::SLOTS, "not open"))?;
+        // The batch cursor of an array is the index before the next one.
+        let entries: Vec<(u32, BackendSlot)> =
+            sys::lookup_batch(fd, first.checked_sub(1), count as usize)
+                .map_err(failed(names::SLOTS))?;
+        Ok(entries.into_iter().map(|(_, slot)| slot).collect())
+    }
+
+    fn put_slots(&mut self, first: u32, slots: &[BackendSlot]) -> Result<(), StoreError> {
+        if u64::from(first) + slots.len() as u64 > u64::from(MAX_SLOTS) {
+            return Err(StoreError::new(
+                names::SLOTS,
+                "slots past the end of the map",
+            ));
+        }
+        for (offset, slot) in slots.iter().enumerate() {
+            self.slots
+                .set(first + offset as u32, slot, 0)
+                .map_err(failed(names::SLOTS))?;
+        }
+        Ok(())
+    }
+
+    fn backends(&self) -> Result<Vec<(u32, BackendInfo)>, StoreError> {
+        self.dump(names::BACKENDS, MAX_BACKENDS)
+    }
+
+    fn put_backend(&mut self, id: u32, info: &BackendInfo) -> Result<(), StoreError> {
+        self.backends
+            .insert(id, info, 0)
+            .map_err(failed(names::BACKENDS))
+    }
+
+    fn delete_backend(&mut self, id: u32) -> Result<(), StoreError> {
+        absent_is_ok(self.backends.remove(&id)).map_err(failed(names::BACKENDS))
+    }
+
+    fn tables(&self) -> Result<Vec<(u32, TableInfo)>, StoreError> {
+        self.dump(names::TABLES, MAX_TABLES)
+    }
+
+    fn put_table(&mut self, id: u32, info: &TableInfo) -> Result<(), StoreError> {
+        self.tables
+            .insert(id, info, 0)
+            .map_err(failed(names::TABLES))
+    }
+
+    fn delete_table(&mut self, id: u32) -> Result<(), StoreError> {
+        absent_is_ok(self.tables.remove(&id)).map_err(failed(names::TABLES))
+    }
+
+    fn settings(&self) -> Result<Settings, StoreError> {
+        self.settings.get(&0, 0).map_err(failed(names::SETTINGS))
+    }
+
+    fn put_settings(&mut self, settings: &Settings) -> Result<(), StoreError> {
+        self.settings
+            .set(0, settings, 0)
+            .map_err(failed(names::SETTINGS))
+    }
+
+    fn drains(&self) -> Result<BTreeSet<Endpoint>, StoreError> {
+        let entries: Vec<(Endpoint, u32)> = self.dump(names::DRAINS, MAX_DRAINS)?;
+        Ok(entries.into_iter().map(|(backend, _)| backend).collect())
+    }
+
+    fn put_drain(&mut self, backend: &Endpoint) -> Result<(), StoreError> {
+        self.drains
+            .insert(backend, 1, 0)
+            .map_err(failed(names::DRAINS))
+    }
+
+    fn delete_drain(&mut self, backend: &Endpoint) -> Result<(), StoreError> {
+        absent_is_ok(self.drains.remove(backend)).map_err(failed(names::DRAINS))
+    }
+
+    fn daemon(&self) -> Result<DaemonRecord, StoreError> {
+        self.daemon.get(&0, 0).map_err(failed(names::DAEMON))
+    }
+
+    fn put_daemon(&mut self, record: &DaemonRecord) -> Result<(), StoreError> {
+        self.daemon.set(0, record, 0).map_err(failed(names::DAEMON))
+    }
+
+    fn reset_backend_counters(&mut self, id: u32) -> Result<(), StoreError> {
+        let zeros = per_cpu_zeros::<BackendStats>(names::BACKEND_STATS)?;
+        self.backend_stats
+            .set(id, zeros, 0)
+            .map_err(failed(names::BACKEND_STATS))?;
+        self.backend_conns
+            .set(id, BackendConns::default(), 0)
+            .map_err(failed(names::BACKEND_CONNS))
+    }
+
+    fn reset_table_counters(&mut self, id: u32) -> Result<(), StoreError> {
+        let zeros = per_cpu_zeros::<TableStats>(names::TABLE_STATS)?;
+        self.table_stats
+            .set(id, zeros, 0)
+            .map_err(failed(names::TABLE_STATS))
+    }
+
+    fn connections(&self, id: u32) -> BackendConns {
+        let mut conns = self.backend_conns.get(&id, 0).unwrap_or_default();
+        conns.live = conns.live.max(0);
+        conns
+    }
+
+    fn redirects(&self, id: u32) -> u64 {
+        self.backend_stats
+            .get(&id, 0)
+            .map(|values| values.iter().map(|stats| stats.redirects).sum())
+            .unwrap_or(0)
+    }
+
+    fn table_stats(&self, id: u32) -> TableStats {
+        self.table_stats
+            .get(&id, 0)
+            .map(|values| {
+                values
+                    .iter()
+                    .fold(TableStats::default(), |sum, stats| TableStats {
+                        none_healthy: sum.none_healthy + stats.none_healthy,
+                        rejected: sum.rejected + stats.rejected,
+                    })
+            })
+            .unwrap_or_default()
+    }
+
+    fn redirected_to(&self, cookie: u64, backend: &Endpoint) -> bool {
+        self.redirects
+            .get(&cookie, 0)
+            .is_ok_and(|record| record.backend == *backend)
+    }
+}
+
+/// Maps in memory, for tests: the same semantics as the kernel's (arrays
+/// are zero-filled, a missing hash key is absent), plus a switch that makes
+/// the next writes fail, to test the retry paths.
+#[derive(Debug, Clone, Default)]
+pub struct MemoryMaps {
+    pub services: BTreeMap<Endpoint, ServiceEntry>,
+    pub slots: BTreeMap<u32, BackendSlot>,
+    pub backends: BTreeMap<u32, BackendInfo>,
+    pub tables: BTreeMap<u32, TableInfo>,
+    pub settings: Settings,
+    pub drains: BTreeSet<Endpoint>,
+    pub daemon: DaemonRecord,
+    pub conns: BTreeMap<u32, BackendConns>,
+    pub redirect_counts: BTreeMap<u32, u64>,
+    pub table_counts: BTreeMap<u32, TableStats>,
+    pub redirected: BTreeMap<u64, Endpoint>,
+    /// Writes still to fail, whatever the map.
+    pub failing_writes: u32,
+    /// Writes done (successful ones), for tests that count them.
+    pub writes: u32,
+}
+
+impl MemoryMaps {
+    fn write(&mut self, map: &'static str) -> Result<(), StoreError> {
+        if self.failing_writes > 0 {
+            self.failing_writes -= 1;
+            return Err(StoreError::new(map, "injected failure"));
+        }
+        self.writes += 1;
+        Ok(())
+    }
+}
+
+impl MapStore for MemoryMaps {
+    fn services(&self) -> Result<Vec<(Endpoint, ServiceEntry)>, StoreError> {
+        Ok(self.services.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+
+    fn put_service(&mut self, vip: &Endpoint, entry: &ServiceEntry) -> Result<(), StoreError> {
+        self.write(names::SERVICES)?;
+        self.services.insert(*vip, *entry);
+        Ok(())
+    }
+
+    fn delete_service(&mut self, vip: &Endpoint) -> Result<(), StoreError> {
+        self.write(names::SERVICES)?;
+        self.services.remove(vip);
+        Ok(())
+    }
+
+    fn slots(&self, first: u32, count: u32) -> Result<Vec<BackendSlot>, StoreError> {
+        Ok((first..first + count)
+            .map(|index| self.slots.get(&index).copied().unwrap_or_default())
+            .collect())
+    }
+
+    fn put_slots(&mut self, first: u32, slots: &[BackendSlot]) -> Result<(), StoreError> {
+        self.write(names::SLOTS)?;
+        for (offset, slot) in slots.iter().enumerate() {
+            self.slots.insert(first + offset as u32, *slot);
+        }
+        Ok(())
+    }
+
+    fn backends(&self) -> Result<Vec<(u32, BackendInfo)>, StoreError> {
+        Ok(self.backends.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+
+    fn put_backend(&mut self, id: u32, info: &BackendInfo) -> Result<(), StoreError> {
+        self.write(names::BACKENDS)?;
+        self.backends.insert(id, *info);
+        Ok(())
+    }
+
+    fn delete_backend(&mut self, id: u32) -> Result<(), StoreError> {
+        self.write(names::BACKENDS)?;
+        self.backends.remove(&id);
+        Ok(())
+    }
+
+    fn tables(&self) -> Result<Vec<(u32, TableInfo)>, StoreError> {
+        Ok(self.tables.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+
+    fn put_table(&mut self, id: u32, info: &TableInfo) -> Result<(), StoreError> {
+        self.write(names::TABLES)?;
+        self.tables.insert(id, *info);
+        Ok(())
+    }
+
+    fn delete_table(&mut self, id: u32) -> Result<(), StoreError> {
+        self.write(names::TABLES)?;
+        self.tables.remove(&id);
+        Ok(())
+    }
+
+    fn settings(&self) -> Result<Settings, StoreError> {
+        Ok(self.settings)
+    }
+
+    fn put_settings(&mut self, settings: &Settings) -> Result<(), StoreError> {
+        self.write(names::SETTINGS)?;
+        self.settings = *settings;
+        Ok(())
+    }
+
+    fn drains(&self) -> Result<BTreeSet<Endpoint>, StoreError> {
+        Ok(self.drains.clone())
+    }
+
+    fn put_drain(&mut self, backend: &Endpoint) -> Result<(), StoreError> {
+        self.write(names::DRAINS)?;
+        self.drains.insert(*backend);
+        Ok(())
+    }
+
+    fn delete_drain(&mut self, backend: &Endpoint) -> Result<(), StoreError> {
+        self.write(names::DRAINS)?;
+        self.drains.remove(backend);
+        Ok(())
+    }
+
+    fn daemon(&self) -> Result<DaemonRecord, StoreError> {
+        Ok(self.daemon)
+    }
+
+    fn put_daemon(&mut self, record: &DaemonRecord) -> Result<(), StoreError> {
+        self.write(names::DAEMON)?;
+        self.daemon = *record;
+        Ok(())
+    }
+
+    fn reset_backend_counters(&mut self, id: u32) -> Result<(), StoreError> {
+        self.write(names::BACKEND_STATS)?;
+        self.conns.remove(&id);
+        self.redirect_counts.remove(&id);
+        Ok(())
+    }
+
+    fn reset_table_counters(&mut self, id: u32) -> Result<(), StoreError> {
+        self.write(names::TABLE_STATS)?;
+        self.table_counts.remove(&id);
+        Ok(())
+    }
+
+    fn connections(&self, id: u32) -> BackendConns {
+        self.conns.get(&id).copied().unwrap_or_default()
+    }
+
+    fn redirects(&self, id: u32) -> u64 {
+        self.redirect_counts.get(&id).copied().unwrap_or(0)
+    }
+
+    fn table_stats(&self, id: u32) -> TableStats {
+        self.table_counts.get(&id).copied().unwrap_or_default()
+    }
+
+    fn redirected_to(&self, cookie: u64, backend: &Endpoint) -> bool {
+        self.redirected.get(&cookie) == Some(backend)
+    }
+}

@@ -1,0 +1,333 @@
+//! The few bpf(2) commands that aya does not expose: a cgroup link's
+//! target, a program's maps and name, the programs attached to a cgroup,
+//! object fds by id, and batch lookups. Each is a thin, safe wrapper around
+//! one syscall with a `#[repr(C)]` attribute struct of the kernel's stable
+//! ABI; the kernel accepts an attribute shorter than its own and zeroes the
+//! rest.
+
+use std::{
+    io,
+    mem::size_of,
+    os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
+};
+
+use aya_obj::generated::{bpf_attach_type, bpf_cmd};
+
+/// `bpf_link_info::type` of a cgroup link.
+pub const LINK_TYPE_CGROUP: u32 = 3;
+
+/// Runs one bpf(2) command on an attribute struct.
+fn bpf<T>(command: bpf_cmd, attr: &mut T) -> io::Result<i64> {
+    // SAFETY: `attr` is a repr(C) struct of the layout `command` expects,
+    // valid for reads and writes of its size for the whole call.
+    let result = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            command as libc::c_int,
+            (attr as *mut T).cast::<libc::c_void>(),
+            size_of::<T>() as libc::c_uint,
+        )
+    };
+    if result < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(result)
+}
+
+fn owned_fd(raw: i64) -> OwnedFd {
+    // SAFETY: the kernel returned a new descriptor that nothing else owns.
+    unsafe { OwnedFd::from_raw_fd(raw as i32) }
+}
+
+#[repr(C)]
+struct InfoAttr {
+    bpf_fd: u32,
+    info_len: u32,
+    info: u64,
+}
+
+fn object_info<T>(fd: BorrowedFd<'_>, info: &mut T) -> io::Result<()> {
+    let mut attr = InfoAttr {
+        bpf_fd: fd.as_raw_fd() as u32,
+        info_len: size_of::<T>() as u32,
+        info: (info as *mut T) as u64,
+    };
+    bpf(bpf_cmd::BPF_OBJ_GET_INFO_BY_FD, &mut attr).map(drop)
+}
+
+/// The head of `struct bpf_link_info` and its cgroup member.
+#[repr(C)]
+#[derive(Default)]
+struct RawLinkInfo {
+    link_type: u32,
+    id: u32,
+    prog_id: u32,
+    _pad: u32,
+    cgroup_id: u64,
+    attach_type: u32,
+    _pad2: u32,
+}
+
+/// What the kernel says of a link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinkInfo {
+    pub id: u32,
+    pub prog_id: u32,
+    /// `LINK_TYPE_CGROUP` for the links socklb makes.
+    pub link_type: u32,
+    /// The cgroup a cgroup link attaches to; 0 once it was detached or its
+    /// cgroup was removed (a defunct link).
+    pub cgroup_id: u64,
+    pub attach_type: u32,
+}
+
+pub fn link_info(fd: BorrowedFd<'_>) -> io::Result<LinkInfo> {
+    let mut raw = RawLinkInfo::default();
+    object_info(fd, &mut raw)?;
+    let cgroup = raw.link_type == LINK_TYPE_CGROUP;
+    Ok(LinkInfo {
+        id: raw.id,
+        prog_id: raw.prog_id,
+        link_type: raw.link_type,
+        cgroup_id: if cgroup { raw.cgroup_id } else { 0 },
+        attach_type: if cgroup { raw.attach_type } else { 0 },
+    })
+}
+
+/// The head of `struct bpf_prog_info`, up to and including `name`.
+#[repr(C)]
+#[derive(Default)]
+struct RawProgInfo {
+    prog_type: u32,
+    id: u32,
+    tag: [u8; 8],
+    jited_prog_len: u32,
+    xlated_prog_len: u32,
+    jited_prog_insns: u64,
+    xlated_prog_insns: u64,
+    load_time: u64,
+    created_by_uid: u32,
+    nr_map_ids: u32,
+    map_ids: u64,
+    name: [u8; 16],
+}
+
+/// What the kernel says of a program.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProgInfo {
+    pub id: u32,
+    /// The name, as the kernel keeps it (at most 15 bytes).
+    pub name: String,
+    /// Hash of the program's instructions.
+    pub tag: [u8; 8],
+    pub map_ids: Vec<u32>,
+}
+
+pub fn prog_info(fd: BorrowedFd<'_>) -> io::Result<ProgInfo> {
+    // First ask how many maps it uses, then fetch their ids.
+    let mut raw = RawProgInfo::default();
+    object_info(fd, &mut raw)?;
+    let mut map_ids = vec![0u32; raw.nr_map_ids as usize];
+    if !map_ids.is_empty() {
+        let count = raw.nr_map_ids;
+        raw = RawProgInfo {
+            nr_map_ids: count,
+            map_ids: map_ids.as_mut_ptr() as u64,
+            ..RawProgInfo::default()
+        };
+        object_info(fd, &mut raw)?;
+        map_ids.truncate(raw.nr_map_ids.min(count) as usize);
+    }
+    let end = raw.name.iter().position(|&byte| byte == 0).unwrap_or(16);
+    Ok(ProgInfo {
+        id: raw.id,
+        name: String::from_utf8_lossy(&raw.name[..end]).into_owned(),
+        tag: raw.tag,
+        map_ids,
+    })
+}
+
+#[repr(C)]
+struct IdAttr {
+    id: u32,
+    next_id: u32,
+    open_flags: u32,
+}
+
+fn fd_by_id(command: bpf_cmd, id: u32) -> io::Result<OwnedFd> {
+    let mut attr = IdAttr {
+        id,
+        next_id: 0,
+        open_flags: 0,
+    };
+    bpf(command, &mut attr).map(owned_fd)
+}
+
+pub fn prog_fd_by_id(id: u32) -> io::Result<OwnedFd> {
+    fd_by_id(bpf_cmd::BPF_PROG_GET_FD_BY_ID, id)
+}
+
+pub fn map_fd_by_id(id: u32) -> io::Result<OwnedFd> {
+    fd_by_id(bpf_cmd::BPF_MAP_GET_FD_BY_ID, id)
+}
+
+pub fn link_fd_by_id(id: u32) -> io::Result<OwnedFd> {
+    fd_by_id(bpf_cmd::BPF_LINK_GET_FD_BY_ID, id)
+}
+
+/// Every link id of the system, in order. Needs CAP_SYS_ADMIN.
+pub fn link_ids() -> io::Result<Vec<u32>> {
+    let mut ids = Vec::new();
+    let mut start = 0;
+    // Ids are finite; the bound only guards against a kernel bug.
+    for _ in 0..1_000_000 {
+        let mut attr = IdAttr {
+            id: start,
+            next_id: 0,
+            open_flags: 0,
+        };
+        match bpf(bpf_cmd::BPF_LINK_GET_NEXT_ID, &mut attr) {
+            Ok(_) => {
+                ids.push(attr.next_id);
+                start = attr.next_id;
+            }
+            Err(error) if error.raw_os_error() == Some(libc::ENOENT) => return Ok(ids),
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(ids)
+}
+
+#[repr(C)]
+struct QueryAttr {
+    target_fd: u32,
+    attach_type: u32,
+    query_flags: u32,
+    attach_flags: u32,
+    prog_ids: u64,
+    prog_cnt: u32,
+    _pad: u32,
+}
+
+/// The programs attached directly to a cgroup for one hook.
+pub fn cgroup_programs(
+    cgroup: BorrowedFd<'_>,
+    attach_type: bpf_attach_type,
+) -> io::Result<Vec<u32>> {
+    // Room for far more programs than any host attaches to one hook.
+    let mut ids = vec![0u32; 256];
+    let mut attr = QueryAttr {
+        target_fd: cgroup.as_raw_fd() as u32,
+        attach_type: attach_type as u32,
+        query_flags: 0,
+        attach_flags: 0,
+        prog_ids: ids.as_mut_ptr() as u64,
+        prog_cnt: ids.len() as u32,
+        _pad: 0,
+    };
+    bpf(bpf_cmd::BPF_PROG_QUERY, &mut attr)?;
+    ids.truncate(attr.prog_cnt.min(ids.len() as u32) as usize);
+    Ok(ids)
+}
+
+#[repr(C)]
+struct BatchAttr {
+    in_batch: u64,
+    out_batch: u64,
+    keys: u64,
+    values: u64,
+    count: u32,
+    map_fd: u32,
+    elem_flags: u64,
+    flags: u64,
+}
+
+/// Reads up to `limit` entries of a map with BPF_MAP_LOOKUP_BATCH, in a few
+/// syscalls rather than two per entry. The batch cursor is a u32 for both
+/// kinds used here: for an array it is the index before the next one (so
+/// `after` starts the read past an index), for a hash map a bucket number.
+/// Keys and values are plain data (`aya::Pod`).
+pub fn lookup_batch<K: aya::Pod + Default, V: aya::Pod + Default>(
+    map: BorrowedFd<'_>,
+    after: Option<u32>,
+    limit: usize,
+) -> io::Result<Vec<(K, V)>> {
+    const CHUNK: usize = 1024;
+    let mut entries: Vec<(K, V)> = Vec::new();
+    let mut cursor: Option<u32> = after;
+    let mut out_batch: u32 = 0;
+    while entries.len() < limit {
+        let want = CHUNK.min(limit - entries.len());
+        let mut keys = vec![K::default(); want];
+        let mut values = vec![V::default(); want];
+        let mut attr = BatchAttr {
+            in_batch: cursor
+                .as_ref()
+                .map_or(0, |token| (token as *const u32) as u64),
+            out_batch: (&mut out_batch as *mut u32) as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: want as u32,
+            map_fd: map.as_raw_fd() as u32,
+            elem_flags: 0,
+            flags: 0,
+        };
+        let result = bpf(bpf_cmd::BPF_MAP_LOOKUP_BATCH, &mut attr);
+        let got = (attr.count as usize).min(want);
+        entries.extend(keys.into_iter().zip(values).take(got));
+        match result {
+            Ok(_) if got > 0 => cursor = Some(out_batch),
+            Ok(_) => return Ok(entries),
+            // ENOENT: the end of the map was reached (with `got` entries).
+            Err(error) if error.raw_os_error() == Some(libc::ENOENT) => return Ok(entries),
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(entries)
+}
+
+#[repr(C)]
+struct PinAttr {
+    pathname: u64,
+    bpf_fd: u32,
+    file_flags: u32,
+}
+
+/// Pins a map, program or link at `path` (BPF_OBJ_PIN).
+pub fn pin(fd: BorrowedFd<'_>, path: &std::path::Path) -> io::Result<()> {
+    let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path holds a NUL byte"))?;
+    let mut attr = PinAttr {
+        pathname: c_path.as_ptr() as u64,
+        bpf_fd: fd.as_raw_fd() as u32,
+        file_flags: 0,
+    };
+    bpf(bpf_cmd::BPF_OBJ_PIN, &mut attr).map(drop)
+}
+
+/// Opens what is pinned at `path` (BPF_OBJ_GET).
+pub fn open_pinned(path: &std::path::Path) -> io::Result<OwnedFd> {
+    let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path holds a NUL byte"))?;
+    let mut attr = PinAttr {
+        pathname: c_path.as_ptr() as u64,
+        bpf_fd: 0,
+        file_flags: 0,
+    };
+    bpf(bpf_cmd::BPF_OBJ_GET, &mut attr).map(owned_fd)
+}
+
+/// The head of `struct bpf_map_info`.
+#[repr(C)]
+#[derive(Default)]
+struct RawMapInfo {
+    map_type: u32,
+    id: u32,
+}
+
+/// The kernel's id of a map.
+pub fn map_id(fd: BorrowedFd<'_>) -> io::Result<u32> {
+    let mut raw = RawMapInfo::default();
+    object_info(fd, &mut raw)?;
+    Ok(raw.id)
+}

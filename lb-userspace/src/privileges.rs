@@ -1,0 +1,128 @@
+//! What each command needs from the kernel's capability checks, said in one
+//! line before anything is tried, instead of a raw "Operation not
+//! permitted" from the middle of an install.
+
+use std::fmt;
+
+/// The capabilities socklb uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Capability {
+    /// Load programs, create and read maps.
+    Bpf,
+    /// Attach to cgroup hooks, close sockets over sock_diag.
+    NetAdmin,
+    /// Look up kernel objects by id, mount bpffs.
+    SysAdmin,
+}
+
+impl Capability {
+    /// The bit of the capability in `/proc/self/status`.
+    fn bit(self) -> u32 {
+        match self {
+            Self::Bpf => 39,
+            Self::NetAdmin => 12,
+            Self::SysAdmin => 21,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Bpf => "CAP_BPF",
+            Self::NetAdmin => "CAP_NET_ADMIN",
+            Self::SysAdmin => "CAP_SYS_ADMIN",
+        }
+    }
+}
+
+/// Everything `run`, `uninstall` and `drain` need.
+pub const ALL: [Capability; 3] = [Capability::Bpf, Capability::NetAdmin, Capability::SysAdmin];
+/// What reading the pinned maps needs (`status`).
+pub const READ: [Capability; 1] = [Capability::Bpf];
+
+/// A command that lacks capabilities, with the ones it lacks.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct MissingPrivileges {
+    pub command: &'static str,
+    pub needed: Vec<Capability>,
+    pub missing: Vec<Capability>,
+}
+
+fn and_list(capabilities: &[Capability]) -> String {
+    let names: Vec<&str> = capabilities.iter().map(|cap| cap.name()).collect();
+    match names.as_slice() {
+        [] => String::new(),
+        [one] => (*one).to_string(),
+        [init @ .., last] => format!("{} and {last}", init.join(", ")),
+    }
+}
+
+impl fmt::Display for MissingPrivileges {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "socklb {} needs root, or {} (this process lacks {})",
+            self.command,
+            and_list(&self.needed),
+            and_list(&self.missing)
+        )
+    }
+}
+
+/// The effective capability set, from `/proc/self/status`.
+fn effective() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| parse_effective(&status))
+        .unwrap_or(0)
+}
+
+fn parse_effective(status: &str) -> Option<u64> {
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("CapEff:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+}
+
+/// Fails, naming what is missing, unless this process has every capability
+/// in `needed`.
+pub fn require(command: &'static str, needed: &[Capability]) -> Result<(), MissingPrivileges> {
+    let have = effective();
+    let missing: Vec<Capability> = needed
+        .iter()
+        .copied()
+        .filter(|cap| have & (1 << cap.bit()) == 0)
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    Err(MissingPrivileges {
+        command,
+        needed: needed.to_vec(),
+        missing,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_the_effective_set() {
+        let status = "Name:\tsocklb\nCapInh:\t0000000000000000\nCapEff:\t000001ffffffffff\n";
+        assert_eq!(parse_effective(status), Some(0x1ff_ffff_ffff));
+        assert_eq!(parse_effective("Name: x\n"), None);
+    }
+
+    #[test]
+    fn the_message_is_one_line_naming_what_is_missing() {
+        let error = MissingPrivileges {
+            command: "run",
+            needed: ALL.to_vec(),
+            missing: vec![Capability::Bpf, Capability::SysAdmin],
+        };
+        assert_eq!(
+            error.to_string(),
+            "socklb run needs root, or CAP_BPF, CAP_NET_ADMIN and CAP_SYS_ADMIN (this process lacks CAP_BPF and CAP_SYS_ADMIN)"
+        );
+    }
+}

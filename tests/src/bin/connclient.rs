@@ -1,0 +1,269 @@
+//! Raw connections through a VIP, for the tests of the passive signal.
+//!
+//! `--abort` plays a hostile local user: it joins the cgroup, drops to
+//! uid/gid 65534 with no capabilities, and makes COUNT non-blocking
+//! connects with the IP TTL it is given, closing each ABORT_MS later,
+//! whether or not it finished. With a TTL the server's namespace drops,
+//! each connect sits in SYN_SENT until the client closes it.
+//!
+//! `--hold` opens COUNT connections at once (a connect that hangs delays
+//! no other) and keeps them all open for HOLD_MS, reading; it prints one JSON line per connection saying how it ended:
+//! "open" (still open at the end), "eof", or "error" with the errno (an
+//! ECONNABORTED is a connection socklb closed).
+//!
+//! Usage: connclient (--abort | --hold) --addr ADDR:PORT [--cgroup DIR]
+//!                   [--count N] [--ttl T] [--abort-ms MS] [--hold-ms MS]
+
+use std::{
+    io::{ErrorKind, Read, Write},
+    net::{SocketAddr, TcpStream},
+    os::fd::{AsRawFd, FromRawFd, OwnedFd},
+    path::PathBuf,
+    process::ExitCode,
+    time::{Duration, Instant},
+};
+
+use serde::Serialize;
+
+struct Args {
+    abort: bool,
+    addr: SocketAddr,
+    cgroup: Option<PathBuf>,
+    count: u32,
+    ttl: u32,
+    abort_after: Duration,
+    hold: Duration,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        abort: false,
+        addr: "127.0.0.1:1".parse().expect("literal"),
+        cgroup: None,
+        count: 1,
+        ttl: 64,
+        abort_after: Duration::from_millis(50),
+        hold: Duration::from_secs(1),
+    };
+    let mut mode = None;
+    let mut words = std::env::args().skip(1);
+    while let Some(flag) = words.next() {
+        let mut value = || words.next().ok_or_else(|| format!("{flag} needs a value"));
+        let number = |text: String| {
+            text.parse::<u64>()
+                .map_err(|error| format!("{flag}: {error}"))
+        };
+        match flag.as_str() {
+            "--abort" => mode = Some(true),
+            "--hold" => mode = Some(false),
+            "--addr" => args.addr = value()?.parse().map_err(|e| format!("--addr: {e}"))?,
+            "--cgroup" => args.cgroup = Some(PathBuf::from(value()?)),
+            "--count" => args.count = number(value()?)?.clamp(1, 1000) as u32,
+            "--ttl" => args.ttl = number(value()?)?.clamp(1, 255) as u32,
+            "--abort-ms" => args.abort_after = Duration::from_millis(number(value()?)?),
+            "--hold-ms" => args.hold = Duration::from_millis(number(value()?)?),
+            other => return Err(format!("unknown argument {other}")),
+        }
+    }
+    args.abort = mode.ok_or("--abort or --hold is required")?;
+    Ok(args)
+}
+
+/// Joins the cgroup, then (for `--abort`) becomes nobody.
+fn enter(args: &Args) -> Result<(), String> {
+    if let Some(dir) = &args.cgroup {
+        std::fs::write(dir.join("cgroup.procs"), std::process::id().to_string())
+            .map_err(|e| format!("joining cgroup {}: {e}", dir.display()))?;
+    }
+    if !args.abort {
+        return Ok(());
+    }
+    // SAFETY: plain credential syscalls on this single-threaded process.
+    let dropped = unsafe {
+        libc::setgroups(0, std::ptr::null()) == 0
+            && libc::setgid(65534) == 0
+            && libc::setuid(65534) == 0
+    };
+    // SAFETY: geteuid has no preconditions.
+    if !dropped || unsafe { libc::geteuid() } != 65534 {
+        return Err(format!(
+            "dropping to uid 65534: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(())
+}
+
+#[derive(Serialize)]
+struct Aborted {
+    uid: u32,
+    attempts: u32,
+    /// Connects still in progress when they were closed.
+    in_progress: u32,
+}
+
+/// One non-blocking connect with the given TTL, closed after `after`.
+fn abort_one(addr: SocketAddr, ttl: u32, after: Duration) -> Result<bool, String> {
+    let family = if addr.is_ipv4() {
+        libc::AF_INET
+    } else {
+        libc::AF_INET6
+    };
+    // SAFETY: socket(2); the descriptor is owned at once.
+    let raw = unsafe { libc::socket(family, libc::SOCK_STREAM | libc::SOCK_NONBLOCK, 0) };
+    if raw < 0 {
+        return Err(format!("socket: {}", std::io::Error::last_os_error()));
+    }
+    // SAFETY: `raw` is a new descriptor nothing else owns.
+    let socket = unsafe { OwnedFd::from_raw_fd(raw) };
+    let (level, option) = if addr.is_ipv4() {
+        (libc::IPPROTO_IP, libc::IP_TTL)
+    } else {
+        (libc::IPPROTO_IPV6, libc::IPV6_UNICAST_HOPS)
+    };
+    let ttl = ttl as libc::c_int;
+    // SAFETY: setsockopt reads one c_int.
+    unsafe {
+        libc::setsockopt(
+            socket.as_raw_fd(),
+            level,
+            option,
+            (&ttl as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    let SocketAddr::V4(v4) = addr else {
+        return Err("--abort takes an IPv4 VIP".into());
+    };
+    // SAFETY: sockaddr_in is plain data, filled field by field.
+    let mut target: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    target.sin_family = libc::AF_INET as libc::sa_family_t;
+    target.sin_port = v4.port().to_be();
+    target.sin_addr.s_addr = u32::from_ne_bytes(v4.ip().octets());
+    // SAFETY: connect(2) with a valid sockaddr_in of its size.
+    let result = unsafe {
+        libc::connect(
+            socket.as_raw_fd(),
+            (&target as *const libc::sockaddr_in).cast(),
+            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+        )
+    };
+    let in_progress =
+        result != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINPROGRESS);
+    std::thread::sleep(after);
+    drop(socket);
+    Ok(in_progress)
+}
+
+#[derive(Serialize)]
+struct Held {
+    /// "open", "eof", "error", or "connect-error".
+    end: String,
+    errno: Option<i32>,
+    held_ms: u64,
+}
+
+fn hold(args: &Args) -> Vec<Held> {
+    // All connects start at once, so one that hangs delays no other.
+    let mut streams: Vec<Result<TcpStream, std::io::Error>> = std::thread::scope(|scope| {
+        let connects: Vec<_> = (0..args.count)
+            .map(|_| scope.spawn(|| TcpStream::connect_timeout(&args.addr, Duration::from_secs(3))))
+            .collect();
+        connects
+            .into_iter()
+            .map(|connect| connect.join().expect("connect thread"))
+            .collect()
+    });
+    let started = Instant::now();
+    let mut ends: Vec<Option<Held>> = streams
+        .iter()
+        .map(|stream| {
+            stream.as_ref().err().map(|error| Held {
+                end: "connect-error".into(),
+                errno: error.raw_os_error(),
+                held_ms: 0,
+            })
+        })
+        .collect();
+    // Poll every connection until the hold ends; bounded by HOLD_MS.
+    while started.elapsed() < args.hold {
+        for (stream, end) in streams.iter_mut().zip(ends.iter_mut()) {
+            let (Ok(stream), None) = (stream, &end) else {
+                continue;
+            };
+            let _ = stream.set_read_timeout(Some(Duration::from_millis(1)));
+            let mut buffer = [0u8; 256];
+            let result = stream.read(&mut buffer);
+            let held_ms = started.elapsed().as_millis() as u64;
+            *end = match result {
+                Ok(0) => Some(Held {
+                    end: "eof".into(),
+                    errno: None,
+                    held_ms,
+                }),
+                Ok(_) => None,
+                Err(error)
+                    if matches!(error.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) =>
+                {
+                    None
+                }
+                Err(error) => Some(Held {
+                    end: "error".into(),
+                    errno: error.raw_os_error(),
+                    held_ms,
+                }),
+            };
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let held_ms = started.elapsed().as_millis() as u64;
+    ends.into_iter()
+        .map(|end| {
+            end.unwrap_or(Held {
+                end: "open".into(),
+                errno: None,
+                held_ms,
+            })
+        })
+        .collect()
+}
+
+fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(args) => args,
+        Err(message) => {
+            eprintln!("connclient: {message}");
+            return ExitCode::from(2);
+        }
+    };
+    if let Err(message) = enter(&args) {
+        eprintln!("connclient: {message}");
+        return ExitCode::from(2);
+    }
+    let mut out = std::io::stdout().lock();
+    if args.abort {
+        let mut in_progress = 0;
+        for _ in 0..args.count {
+            match abort_one(args.addr, args.ttl, args.abort_after) {
+                Ok(true) => in_progress += 1,
+                Ok(false) => {}
+                Err(message) => {
+                    eprintln!("connclient: {message}");
+                    return ExitCode::from(1);
+                }
+            }
+        }
+        let summary = Aborted {
+            // SAFETY: geteuid has no preconditions.
+            uid: unsafe { libc::geteuid() },
+            attempts: args.count,
+            in_progress,
+        };
+        let _ = writeln!(out, "{}", serde_json::to_string(&summary).expect("json"));
+        return ExitCode::SUCCESS;
+    }
+    for held in hold(&args) {
+        let _ = writeln!(out, "{}", serde_json::to_string(&held).expect("json"));
+    }
+    ExitCode::SUCCESS
+}

@@ -359,14 +359,14 @@ fn age_words(ms: u64) -> String {
     }
 }
 
-/// Why `status --check` fails, in the order it is judged; the exit status
-/// is that of the first.
+/// Why `status --check` fails, gravest first; the exit status is that of
+/// the first.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CheckFailure {
-    /// Exit 3.
-    DaemonNotRunning,
-    /// Exit 4.
+    /// Exit 4: connects to the VIPs are not redirected (all or some).
     NotAttached,
+    /// Exit 3: health verdicts are frozen.
+    DaemonNotRunning,
     /// Exit 5: the service has no healthy backend.
     NoHealthyBackend(String),
 }
@@ -398,11 +398,11 @@ impl StatusReport {
     /// plane, and a healthy backend in every service.
     pub fn check(&self) -> Vec<CheckFailure> {
         let mut failures = Vec::new();
-        if !self.daemon.running {
-            failures.push(CheckFailure::DaemonNotRunning);
-        }
         if !self.data_plane.attached {
             failures.push(CheckFailure::NotAttached);
+        }
+        if !self.daemon.running {
+            failures.push(CheckFailure::DaemonNotRunning);
         }
         for service in &self.services {
             if !service
@@ -528,6 +528,49 @@ mod tests {
             assert_eq!(daemon_status(Some(&record), now).running, running, "{what}");
         }
         assert!(!daemon_status(None, now).running);
+    }
+
+    #[test]
+    fn a_slot_sent_elsewhere_than_the_backend_it_counts_for_is_a_problem() {
+        use lb_common::{BackendInfo, BackendSlot, ServiceEntry, bank_base};
+
+        use crate::{dataplane::MemoryMaps, planner::endpoint};
+        let backend = endpoint(&"127.0.0.2:80".parse().unwrap());
+        let elsewhere = endpoint(&"127.0.0.9:80".parse().unwrap());
+        let mut maps = MemoryMaps::default();
+        maps.backends.insert(
+            0,
+            BackendInfo {
+                target: backend,
+                ..BackendInfo::default()
+            },
+        );
+        maps.services.insert(
+            endpoint(&"127.0.0.1:6444".parse().unwrap()),
+            ServiceEntry {
+                bank_base: bank_base(0, 0),
+                healthy_slots: 1,
+                all_slots: 1,
+                ..ServiceEntry::default()
+            },
+        );
+        let slot = |target| BackendSlot {
+            target,
+            backend_id: 0,
+        };
+        maps.slots.insert(0, slot(backend));
+        maps.slots.insert(SLOTS_PER_LIST, slot(backend));
+        let paths = PinPaths::new("/nonexistent/socklb");
+        let clean = read(&maps, &paths).data_plane.problems;
+        assert!(!clean.iter().any(|problem| problem.contains("slots send")));
+        maps.slots.insert(0, slot(elsewhere));
+        let problems = read(&maps, &paths).data_plane.problems;
+        assert!(
+            problems
+                .iter()
+                .any(|problem| problem == "table 0: 1 slots send connects somewhere other than the backend they are counted for"),
+            "{problems:?}"
+        );
     }
 
     #[test]

@@ -401,11 +401,17 @@ impl Daemon {
     /// Starts `socklb run ARGS --pin-path <unique>`. `args` must hold
     /// `--cgroup` with a test's child cgroup.
     pub fn start(label: &str, args: &[String]) -> Self {
+        let pin_path = PathBuf::from("/sys/fs/bpf").join(unique_name(label));
+        Self::start_at(label, args, pin_path)
+    }
+
+    /// Like `start`, on a given pin path (for example one that a crashed
+    /// daemon left half installed).
+    pub fn start_at(label: &str, args: &[String], pin_path: PathBuf) -> Self {
         assert!(
             args.iter().any(|arg| arg == "--cgroup"),
             "a test daemon must attach to a child cgroup"
         );
-        let pin_path = PathBuf::from("/sys/fs/bpf").join(unique_name(label));
         let mut all_args = vec!["run".to_string()];
         all_args.extend(args.iter().cloned());
         all_args.push("--pin-path".into());
@@ -555,7 +561,9 @@ impl Daemon {
         );
     }
 
-    /// Waits until a probe has given every listed backend the given health.
+    /// Waits until this daemon runs (its own heartbeat, not a previous
+    /// daemon's records) and a probe has given every listed backend the
+    /// given health.
     pub fn wait_health(
         &mut self,
         backends: &[SocketAddr],
@@ -563,12 +571,15 @@ impl Daemon {
         limit: Duration,
     ) -> Duration {
         let wanted: Vec<String> = backends.iter().map(ToString::to_string).collect();
+        let pid = self.pid();
         self.wait_for(&format!("{wanted:?} healthy={healthy}"), limit, |status| {
-            wanted.iter().all(|addr| {
-                backend_field(status, addr, "probed") == Some(serde_json::Value::Bool(true))
-                    && backend_field(status, addr, "healthy")
-                        == Some(serde_json::Value::Bool(healthy))
-            })
+            status["daemon"]["pid"] == pid
+                && status["daemon"]["running"] == true
+                && wanted.iter().all(|addr| {
+                    backend_field(status, addr, "probed") == Some(serde_json::Value::Bool(true))
+                        && backend_field(status, addr, "healthy")
+                            == Some(serde_json::Value::Bool(healthy))
+                })
         })
     }
 }
@@ -590,7 +601,9 @@ pub fn backend_field(
 impl Drop for Daemon {
     fn drop(&mut self) {
         self.kill();
-        let _ = socklb::dataplane::remove_pins(&socklb::dataplane::PinPaths::new(&self.pin_path));
+        let pins = socklb::dataplane::PinPaths::new(&self.pin_path);
+        let _ = socklb::dataplane::remove_pins(&pins);
+        let _ = std::fs::remove_file(socklb::dataplane::lock::RunPaths::of(&pins).lock);
         if std::thread::panicking() {
             eprintln!("socklb log ({}):\n{}", self.log_path.display(), self.log());
         }

@@ -332,7 +332,7 @@ fn a_bad_config_leaves_the_kernel_untouched() {
     .expect("write config");
     let cgroup_arg = cgroup.path.display().to_string();
     let file_arg = file.display().to_string();
-    let cases: [(&str, Vec<&str>, &str); 3] = [
+    let cases: [(&str, Vec<&str>, &str); 6] = [
         (
             "bad file",
             vec!["--config", &file_arg],
@@ -347,6 +347,35 @@ fn a_bad_config_leaves_the_kernel_untouched() {
             "bad weight",
             vec!["--vip", "127.0.0.1:9", "--backend", "127.0.0.3:1,weight=-1"],
             "--backend[0].weight",
+        ),
+        (
+            "IPv6 zone id",
+            vec!["--vip", "[::1%1]:9", "--backend", "[::1]:1"],
+            "--vip[0]: \"[::1%1]:9\": IPv6 zone ids (%ZONE) are not supported",
+        ),
+        (
+            "a backend of a family without a VIP",
+            vec![
+                "--vip",
+                "127.0.0.1:9",
+                "--backend",
+                "127.0.0.3:1",
+                "--backend",
+                "[::1]:1",
+            ],
+            "--backend[1]: [::1]:1 is IPv6 but the service has no IPv6 VIP",
+        ),
+        (
+            "an interval past the range",
+            vec![
+                "--vip",
+                "127.0.0.1:9",
+                "--backend",
+                "127.0.0.3:1",
+                "--health-interval",
+                "2h",
+            ],
+            "--health-interval: \"2h\" is out of range 10ms..=1h",
         ),
     ];
     for (what, args, field) in cases {
@@ -409,6 +438,14 @@ fn a_bad_config_leaves_the_kernel_untouched() {
         &format!("{}", Path::new("/nonexistent/socklb.toml").display()),
     ]);
     assert_eq!(check.status.code(), Some(2));
+    // Each cause is said once.
+    let check = socklb(&["check-config", "/tmp"]);
+    let stderr = String::from_utf8_lossy(&check.stderr);
+    assert_eq!(check.status.code(), Some(2));
+    assert_eq!(stderr.matches("Is a directory").count(), 1, "{stderr}");
+    let check = socklb(&["check-config", "/dev/null"]);
+    assert_eq!(check.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&check.stderr).contains("no service is configured"));
 }
 
 #[test]

@@ -4,6 +4,7 @@
 
 mod bench;
 mod demo;
+mod fuzz;
 mod toolchain;
 
 use std::{
@@ -40,6 +41,13 @@ enum Verb {
     /// Measure socklb against a direct connection, HAProxy and nginx on
     /// loopback, and write bench/results/REPORT.md with charts (needs root).
     Bench,
+    /// Fuzz the config parser (TOML and flags) with cargo-fuzz, each target
+    /// for a bounded time.
+    Fuzz {
+        /// Seconds per target.
+        #[arg(long, default_value_t = 60)]
+        seconds: u32,
+    },
 }
 
 fn main() -> Result<()> {
@@ -52,6 +60,7 @@ fn main() -> Result<()> {
             demo::run(&workspace_root())
         }
         Verb::Bench => bench::run(&workspace_root()),
+        Verb::Fuzz { seconds } => fuzz::run(seconds),
     }
 }
 
@@ -133,8 +142,12 @@ fn test(cargo_args: &[String]) -> Result<()> {
     if let Ok(text) = std::fs::read_to_string(&figures) {
         println!("xtask: scenario figures\n{text}");
     }
-    Ok(())
+    // A short bounded pass; `cargo xtask fuzz --seconds N` runs longer.
+    fuzz::run(FUZZ_SECONDS_IN_TEST)
 }
+
+/// Seconds per fuzz target in `cargo xtask test`.
+const FUZZ_SECONDS_IN_TEST: u32 = 20;
 
 /// Removes what a test run that was killed (SIGKILL, Ctrl-C) left behind:
 /// pin directories and cgroups named socklb-test-*, and the namespaces of
@@ -147,6 +160,19 @@ fn sweep_leftovers() {
             if socklb_test(&entry.file_name().to_string_lossy()) {
                 println!("xtask: removing leftover pins {}", entry.path().display());
                 let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+    }
+    // Lock files and control sockets of test installs (their pin paths
+    // hold socklb-test-).
+    if let Ok(entries) = std::fs::read_dir(socklb::dataplane::lock::RUN_DIR) {
+        for entry in entries.flatten() {
+            if entry
+                .file_name()
+                .to_string_lossy()
+                .contains("socklb\\x2dtest\\x2d")
+            {
+                let _ = std::fs::remove_file(entry.path());
             }
         }
     }

@@ -64,7 +64,7 @@ fn output_of(command: &mut Command) -> Option<String> {
         .then(|| String::from_utf8_lossy(&output.stdout).into_owned())
 }
 
-fn ensure_nightly() -> Result<()> {
+pub fn ensure_nightly() -> Result<()> {
     let toolchains = output_of(Command::new("rustup").args(["toolchain", "list"])).context(
         "rustup is needed to build the eBPF crate; install it from your distribution or rustup.rs",
     )?;

@@ -10,9 +10,10 @@ use socklb::{
 ///
 /// With --check, print nothing but failures and exit with: 0 when the
 /// daemon runs, the data plane is attached and every service has a healthy
-/// backend; 3 when the daemon is not running; 4 when the data plane is not
-/// attached; 5 when a service has no healthy backend; 1 when the status
-/// cannot be read (nothing installed, no privileges).
+/// backend; else, gravest first, 4 when the data plane is not attached, 3
+/// when the daemon is not running, 5 when a service has no healthy
+/// backend; 1 when the status cannot be read (nothing installed, no
+/// privileges).
 ///
 /// Example: socklb status --json
 #[derive(Debug, clap::Args)]

@@ -55,6 +55,8 @@ pub fn uninstall(args: UninstallArgs) -> super::Outcome {
     pins::check_pin_dir(&paths)?;
     let _lock = take_lock(&paths, args.force)?;
     if !paths.any_pinned() {
+        // An uninstall cut short after its last unpin leaves the directory.
+        let _ = std::fs::remove_dir(&paths.dir);
         super::print(&format!(
             "nothing of socklb is pinned under {}; nothing to do\n",
             paths.dir.display()

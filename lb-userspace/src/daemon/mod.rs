@@ -469,7 +469,12 @@ impl Daemon {
             } else {
                 warn!("{message}");
             }
-            backend.down.send_replace(!transition.healthy);
+            // The probe loop reads this at its next round; waking it now
+            // would only add a probe.
+            backend.down.send_if_modified(|down| {
+                *down = !transition.healthy;
+                false
+            });
         }
         if !self.owner.write(&mut self.running.maps) {
             // The table may still list the backend: closing its connections

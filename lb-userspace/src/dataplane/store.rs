@@ -146,9 +146,12 @@ impl BpfMaps {
             daemon: typed!(names::DAEMON),
             fds: BTreeMap::new(),
         };
-        // The ring buffer is read by the daemon through its own handle; only
-        // its descriptor is kept here, to pin it again if need be.
+        // The ring buffers are read through handles of their own (the
+        // daemon's, aya-log's); only their descriptors are kept here, to pin
+        // them again if need be. An install of an older socklb may lack
+        // AYA_LOGS.
         take(names::CONNECT_FAILURES)?;
+        let _ = take(names::AYA_LOGS);
         Ok(Self { fds, ..maps })
     }
 

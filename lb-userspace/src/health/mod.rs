@@ -172,8 +172,9 @@ pub struct ProbeReport {
 /// Probes one backend until the receiver is gone, reporting each outcome.
 /// The first probe runs after a short random delay. While the owner marks
 /// the backend down (`down`), probes run every `down_interval` instead
-/// (HAProxy's `downinter`); a change of `down` ends the current wait, so a
-/// backend the kernel just reported failing is probed again at once.
+/// (HAProxy's `downinter`). The owner updates `down` without waking the
+/// loop, which reads it after each probe; a notified change ends the
+/// current wait.
 pub async fn probe_loop(
     backend_id: u32,
     addr: SocketAddr,

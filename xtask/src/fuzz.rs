@@ -35,15 +35,20 @@ fn ensure_cargo_fuzz() -> Result<()> {
 }
 
 /// Runs every target for `seconds` each, from the corpus of earlier runs.
-/// A crash fails the run and leaves its input under fuzz/artifacts.
+/// A crash fails the run and leaves its input under fuzz/artifacts. Short
+/// runs use the dev profile, which builds in a fraction of the time of an
+/// optimised one; long runs are optimised.
 pub fn run(seconds: u32) -> Result<()> {
+    let profile = if seconds <= 60 { "--dev" } else { "-O" };
     ensure_cargo_fuzz()?;
     let dir = workspace_root().join("lb-userspace/fuzz");
     for target in TARGETS {
         println!("xtask: fuzzing {target} for {seconds} s");
         let mut command = Command::new("rustup");
         command
-            .args(["run", "nightly", "cargo", "fuzz", "run", "-O", target, "--"])
+            .args([
+                "run", "nightly", "cargo", "fuzz", "run", profile, target, "--",
+            ])
             .arg(format!("-max_total_time={seconds}"))
             .arg("-rss_limit_mb=2048")
             .arg("-print_final_stats=1")

@@ -1,32 +1,43 @@
-//! Embeds the eBPF object that `cargo xtask build-ebpf` built.
+//! Builds the eBPF object (lb-ebpf) with aya-build, as aya-template does:
+//! nightly with `-Z build-std=core` and bpf-linker, into OUT_DIR, whenever
+//! lb-ebpf or lb-common change. `cargo xtask build-ebpf` installs the
+//! toolchain pieces it needs.
 //!
-//! The eBPF crate needs nightly and bpf-linker, which a plain `cargo check`
-//! or `cargo clippy` must not require. So this script does not build it: it
-//! copies the object when it exists and otherwise embeds an empty
-//! placeholder, which the binary refuses to load with a clear message (as
-//! aya-build's AYA_BUILD_SKIP does).
+//! `AYA_BUILD_SKIP=1` skips it (for `cargo check` or `clippy` without the
+//! eBPF toolchain) and embeds an empty placeholder instead, which the
+//! binary refuses to install with a clear message.
 
 use std::{env, fs, path::PathBuf};
 
-fn main() {
-    let out =
-        PathBuf::from(env::var_os("OUT_DIR").expect("cargo sets OUT_DIR")).join("socklb.bpf.o");
-    let object = env::var_os("SOCKLB_EBPF_OBJECT")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../target/ebpf/bpfel-unknown-none/release/lb-ebpf")
-        });
-    println!("cargo:rerun-if-env-changed=SOCKLB_EBPF_OBJECT");
-    println!("cargo:rerun-if-changed={}", object.display());
-    match fs::read(&object) {
-        Ok(bytes) => fs::write(&out, bytes).expect("write the embedded eBPF object"),
-        Err(_) => {
-            println!(
-                "cargo:warning=eBPF object {} not found; embedding an empty placeholder (run `cargo xtask build-ebpf`)",
-                object.display()
-            );
-            fs::write(&out, []).expect("write the placeholder");
-        }
+use anyhow::{Context, anyhow};
+
+fn main() -> anyhow::Result<()> {
+    let out_dir = PathBuf::from(env::var_os("OUT_DIR").context("cargo sets OUT_DIR")?);
+    let object = out_dir.join("lb-ebpf");
+    let skip = env::var_os("AYA_BUILD_SKIP")
+        .is_some_and(|value| value == "1" || value.eq_ignore_ascii_case("true"));
+    if skip {
+        println!("cargo:rerun-if-env-changed=AYA_BUILD_SKIP");
+        println!(
+            "cargo:warning=AYA_BUILD_SKIP is set: embedding an empty placeholder for the eBPF object; this socklb cannot install"
+        );
+        return fs::write(&object, []).context("writing the placeholder");
     }
+    let manifest_dir = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").context("cargo sets it")?);
+    let ebpf_dir = manifest_dir.join("../lb-ebpf");
+    let common_dir = manifest_dir.join("../lb-common");
+    // aya-build watches lb-ebpf; the shared types live in lb-common.
+    println!("cargo:rerun-if-changed={}", common_dir.display());
+    let root_dir = ebpf_dir
+        .to_str()
+        .ok_or_else(|| anyhow!("the path of lb-ebpf is not UTF-8"))?;
+    aya_build::build_ebpf(
+        [aya_build::Package {
+            name: "lb-ebpf",
+            root_dir,
+            ..Default::default()
+        }],
+        aya_build::Toolchain::default(),
+    )
+    .context("building the eBPF object (run `cargo xtask build-ebpf` to install nightly, rust-src and bpf-linker; AYA_BUILD_SKIP=1 skips it)")
 }

@@ -7,25 +7,24 @@
 //! Every entry point is a thin wrapper: it calls a worker and maps the result
 //! to "proceed" (1) or "refuse" (0). Anything that is not a TCP connect to a
 //! configured VIP proceeds untouched.
-#![no_std]
-#![no_main]
+#![cfg_attr(target_arch = "bpf", no_std)]
+#![cfg_attr(target_arch = "bpf", no_main)]
 // The bpf target has no atomic types with read-modify-write methods; the
-// intrinsics lower to BPF's atomic add instructions.
-#![feature(core_intrinsics)]
-#![allow(internal_features)]
-
-use core::intrinsics::{AtomicOrdering::Relaxed, atomic_xadd};
+// intrinsic lowers to BPF's atomic add. It is used in one place (`add`).
+#![cfg_attr(target_arch = "bpf", feature(core_intrinsics))]
+#![cfg_attr(target_arch = "bpf", allow(internal_features))]
 
 use aya_ebpf::{
     EbpfContext,
     bindings::{
-        BPF_ANY, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_RTO_CB,
-        BPF_SOCK_OPS_RTO_CB_FLAG, BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG,
-        BPF_SOCK_OPS_TCP_CONNECT_CB, bpf_sock_addr, bpf_sock_ops,
+        BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_RTO_CB, BPF_SOCK_OPS_RTO_CB_FLAG,
+        BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB,
+        bpf_sock_addr, bpf_sock_ops,
     },
-    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf},
+    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf, SkStorage},
     helpers::generated::{
         bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval,
+        bpf_sk_storage_get,
     },
     macros::{btf_map, cgroup_sock_addr, sock_ops},
     programs::{SockAddrContext, SockOpsContext},
@@ -33,70 +32,95 @@ use aya_ebpf::{
 use aya_log_ebpf::debug;
 use lb_common::{
     BackendConns, BackendInfo, BackendSlot, BackendStats, CONNECT_FAILURES_BYTES, ConnectFailure,
-    DaemonRecord, EVIDENCE_RESET, EVIDENCE_SYN_TIMEOUT, Endpoint, FAMILY_V4, MAX_BACKENDS, MAX_DRAINS, MAX_REDIRECTED_SOCKETS, MAX_SLOTS, MAX_TABLES,
-    MAX_VIPS, RedirectedSocket, SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_LEAST_CONN, ServiceEntry,
-    Settings, SlotChoice, TableInfo, TableStats, choose_slot, second_is_less_loaded,
+    DaemonRecord, EVIDENCE_RESET, EVIDENCE_SYN_TIMEOUT, Endpoint, FAMILY_V4, MAX_BACKENDS,
+    MAX_DRAINS, MAX_LEGACY_REDIRECTS, MAX_SLOTS, MAX_TABLES, MAX_VIPS, SERVICE_FLAG_ALL_NETNS,
+    SOCKET_FLAG_LIVE, ServiceEntry, Settings, SlotChoice, SocketRecord, TableInfo, TableStats,
+    choose_slot, features, port_from_user_port, second_is_less_loaded, second_slot,
+    user_port_from_port,
 };
+
+// Each map's name is the constant of the same role in `lb_common::names`;
+// the ABI test of lb-userspace checks that they agree.
 
 /// VIP → current selection table. Written by the daemon (one update per
 /// table swap), read by connect4/connect6.
-#[btf_map]
+#[btf_map(name = "lb_services_v1")]
 static SERVICES: HashMap<Endpoint, ServiceEntry, { MAX_VIPS as usize }> = HashMap::new();
 
 /// Selection tables, two banks per table. Written by the daemon into the idle
 /// bank only, read by connect4/connect6.
-#[btf_map]
+#[btf_map(name = "lb_slots_v1")]
 static SLOTS: Array<BackendSlot, { MAX_SLOTS as usize }> = Array::new();
 
-/// Socket cookie → (VIP, backend). Written by connect4/connect6, read by
-/// getpeername4/getpeername6. LRU, so closed sockets age out.
-#[btf_map]
-static REDIRECTS: LruHashMap<u64, RedirectedSocket, { MAX_REDIRECTED_SOCKETS as usize }> =
+/// Per-socket facts of each redirected socket, freed with the socket.
+/// Written by connect4/6, read by getpeername4/6 and sock_ops.
+#[btf_map(name = "lb_sockets_v1")]
+static SOCKETS: SkStorage<SocketRecord> = SkStorage::new();
+
+/// The first layout's per-socket records, by socket cookie. Written by
+/// connect4/6 only on a kernel without socket storage in sock_addr; read
+/// (and emptied) by getpeername and sock_ops for sockets without storage,
+/// such as those redirected before an upgrade.
+#[btf_map(name = "REDIRECTS")]
+static LEGACY_REDIRECTS: LruHashMap<u64, SocketRecord, { MAX_LEGACY_REDIRECTS as usize }> =
     LruHashMap::new();
 
 /// Redirect counters per backend id. Written by connect4/6, read by status.
-#[btf_map]
+#[btf_map(name = "lb_bstats_v1")]
 static BACKEND_STATS: PerCpuArray<BackendStats, { MAX_BACKENDS as usize }> = PerCpuArray::new();
 
 /// "None healthy" counters per table. Written by connect4/6, read by status.
-#[btf_map]
+#[btf_map(name = "lb_tstats_v1")]
 static TABLE_STATS: PerCpuArray<TableStats, { MAX_TABLES as usize }> = PerCpuArray::new();
 
 /// Backend id → address, weight, health. Written by the daemon, read by
 /// status; the programs never touch it.
-#[btf_map]
+#[btf_map(name = "lb_backends_v1")]
 static BACKENDS: HashMap<u32, BackendInfo, { MAX_BACKENDS as usize }> = HashMap::new();
 
 /// Table id → service name and policy. Written by the daemon, read by status.
-#[btf_map]
+#[btf_map(name = "lb_tables_v1")]
 static TABLES: HashMap<u32, TableInfo, { MAX_TABLES as usize }> = HashMap::new();
 
-/// Backend address → 1: drains asked for by `socklb drain`. Written by that
-/// command, read by the daemon; the programs never touch it.
-#[btf_map]
+/// Backend address → 1: drains. Written by the daemon (or `socklb drain`
+/// while none runs); the programs never touch it.
+#[btf_map(name = "lb_drains_v1")]
 static DRAINS: HashMap<Endpoint, u32, { MAX_DRAINS as usize }> = HashMap::new();
 
 /// Index 0: the daemon's netns cookie. Written by the daemon at install,
 /// read by connect4/connect6.
-#[btf_map]
+#[btf_map(name = "lb_settings_v1")]
 static SETTINGS: Array<Settings, 1> = Array::new();
 
 /// Connection counters per backend id. Written by sock_ops (atomic adds),
 /// read by connect4/6 for least-conn and by status.
-#[btf_map]
+#[btf_map(name = "lb_conns_v1")]
 static BACKEND_CONNS: Array<BackendConns, { MAX_BACKENDS as usize }> = Array::new();
-
-/// The daemon's heartbeat and identity. Written by the daemon, read by
-/// `socklb status`; the programs never touch it.
-#[btf_map]
-static DAEMON: Array<DaemonRecord, 1> = Array::new();
 
 /// One record per connect that failed with evidence from the server side.
 /// Written by sock_ops, read by the daemon, which then probes the backend
 /// at once to confirm.
-#[btf_map]
+#[btf_map(name = "lb_failures_v1")]
 static CONNECT_FAILURES: RingBuf<ConnectFailure, { CONNECT_FAILURES_BYTES as usize }> =
     RingBuf::new();
+
+/// The daemon's heartbeat and identity. Written by the daemon, read by
+/// `socklb status`; the programs never touch it.
+#[btf_map(name = "lb_daemon_v1")]
+static DAEMON: Array<DaemonRecord, 1> = Array::new();
+
+/// `lb_common::features` bits the kernel offers, set by the loader (the
+/// name is `lb_common::names::globals::FEATURES`). Read-only data: the
+/// verifier removes the branches of features that are off, helper calls
+/// included.
+#[unsafe(no_mangle)]
+static SOCKLB_FEATURES: u32 = features::ALL;
+
+#[inline(always)]
+fn has(feature: u32) -> bool {
+    // A volatile read, so the compiler keeps the load the loader patches.
+    unsafe { core::ptr::read_volatile(&raw const SOCKLB_FEATURES) & feature != 0 }
+}
 
 const PROCEED: i32 = 1;
 const REFUSE: i32 = 0;
@@ -140,29 +164,49 @@ fn verdict(ctx: &SockAddrContext, result: Result<(), Refusal>) -> i32 {
         Err(Refusal::NoHealthyBackend) => {
             // Without this the caller would see EPERM, which reads like a
             // permissions problem; ECONNREFUSED says "nobody is there".
-            unsafe { bpf_set_retval(-ECONNREFUSED) };
+            if has(features::SET_RETVAL) {
+                unsafe { bpf_set_retval(-ECONNREFUSED) };
+            }
             debug!(ctx, "socklb: refused, no healthy backend");
             REFUSE
         }
     }
 }
 
+/// The context, which this program exists to rewrite. A raw pointer, not a
+/// `&mut` made from a shared reference: each invocation has its own, and
+/// every access below is one field read or write through it.
 #[inline(always)]
-// The context is kernel memory that the program exists to rewrite; the
-// kernel hands each invocation its own, so no other reference can alias it.
-#[allow(clippy::mut_from_ref)]
-fn sock_addr(ctx: &SockAddrContext) -> &mut bpf_sock_addr {
-    // SAFETY: the kernel hands a valid context for the program's lifetime.
-    unsafe { &mut *ctx.sock_addr }
+fn sock_addr(ctx: &SockAddrContext) -> *mut bpf_sock_addr {
+    ctx.sock_addr
+}
+
+/// The four words of `user_ip6`. The verifier allows only 4-byte loads from
+/// them, so they are read word by word rather than as one array.
+#[inline(always)]
+fn user_ip6(sa: *mut bpf_sock_addr) -> [u32; 4] {
+    unsafe {
+        [
+            (*sa).user_ip6[0],
+            (*sa).user_ip6[1],
+            (*sa).user_ip6[2],
+            (*sa).user_ip6[3],
+        ]
+    }
+}
+
+#[inline(always)]
+fn is_tcp(sa: *mut bpf_sock_addr) -> bool {
+    // TCP only: MPTCP and SCTP stream sockets never reach sock_ops.
+    unsafe { (*sa).type_ == SOCK_STREAM && (*sa).protocol == IPPROTO_TCP }
 }
 
 fn connect4(ctx: &SockAddrContext) -> Result<(), Refusal> {
     let sa = sock_addr(ctx);
-    // TCP only: MPTCP and SCTP stream sockets never reach sock_ops.
-    if sa.type_ != SOCK_STREAM || sa.protocol != IPPROTO_TCP {
+    if !is_tcp(sa) {
         return Ok(());
     }
-    let vip = Endpoint::v4(sa.user_ip4, sa.user_port as u16);
+    let vip = unsafe { Endpoint::v4((*sa).user_ip4, port_from_user_port((*sa).user_port)) };
     let Some(slot) = select_backend(ctx, &vip)? else {
         return Ok(());
     };
@@ -171,27 +215,21 @@ fn connect4(ctx: &SockAddrContext) -> Result<(), Refusal> {
     if slot.target.family != FAMILY_V4 {
         return Ok(());
     }
-    sa.user_ip4 = slot.target.addr_be[0];
-    sa.user_port = slot.target.port_be as u32;
+    unsafe {
+        (*sa).user_ip4 = slot.target.addr_be[0];
+        (*sa).user_port = user_port_from_port(slot.target.port_be);
+    }
     remember(ctx, &vip, &slot);
     Ok(())
 }
 
 fn connect6(ctx: &SockAddrContext) -> Result<(), Refusal> {
     let sa = sock_addr(ctx);
-    // TCP only: MPTCP and SCTP stream sockets never reach sock_ops.
-    if sa.type_ != SOCK_STREAM || sa.protocol != IPPROTO_TCP {
+    if !is_tcp(sa) {
         return Ok(());
     }
-    // The verifier only allows 4-byte loads from user_ip6, so read it word
-    // by word rather than as one 16-byte array.
-    let words = [
-        sa.user_ip6[0],
-        sa.user_ip6[1],
-        sa.user_ip6[2],
-        sa.user_ip6[3],
-    ];
-    let port_be = sa.user_port as u16;
+    let words = user_ip6(sa);
+    let port_be = unsafe { port_from_user_port((*sa).user_port) };
     let mapped = words[0] == 0 && words[1] == 0 && words[2] == V4_MAPPED_WORD_BE;
     let vip = if mapped {
         // An IPv6 socket dialling ::ffff:a.b.c.d reaches the IPv4 VIP.
@@ -205,18 +243,20 @@ fn connect6(ctx: &SockAddrContext) -> Result<(), Refusal> {
     if slot.target.family != vip.family {
         return Ok(());
     }
-    if mapped {
-        sa.user_ip6[0] = 0;
-        sa.user_ip6[1] = 0;
-        sa.user_ip6[2] = V4_MAPPED_WORD_BE;
-        sa.user_ip6[3] = slot.target.addr_be[0];
-    } else {
-        sa.user_ip6[0] = slot.target.addr_be[0];
-        sa.user_ip6[1] = slot.target.addr_be[1];
-        sa.user_ip6[2] = slot.target.addr_be[2];
-        sa.user_ip6[3] = slot.target.addr_be[3];
+    unsafe {
+        if mapped {
+            (*sa).user_ip6[0] = 0;
+            (*sa).user_ip6[1] = 0;
+            (*sa).user_ip6[2] = V4_MAPPED_WORD_BE;
+            (*sa).user_ip6[3] = slot.target.addr_be[0];
+        } else {
+            (*sa).user_ip6[0] = slot.target.addr_be[0];
+            (*sa).user_ip6[1] = slot.target.addr_be[1];
+            (*sa).user_ip6[2] = slot.target.addr_be[2];
+            (*sa).user_ip6[3] = slot.target.addr_be[3];
+        }
+        (*sa).user_port = user_port_from_port(slot.target.port_be);
     }
-    sa.user_port = slot.target.port_be as u32;
     remember(ctx, &vip, &slot);
     Ok(())
 }
@@ -250,18 +290,16 @@ fn select_backend(ctx: &SockAddrContext, vip: &Endpoint) -> Result<Option<Backen
     let Some(mut slot) = SLOTS.get(index).copied() else {
         return Ok(None);
     };
-    if entry.flags & SERVICE_FLAG_LEAST_CONN != 0 && entry.healthy_slots > 1 {
-        // Power of two choices: a second random healthy slot, and the less
-        // loaded of the two wins. Two reads, no loop.
-        let other_index = entry.bank_base + unsafe { bpf_get_prandom_u32() } % entry.healthy_slots;
-        if let Some(other) = SLOTS.get(other_index).copied()
-            && second_is_less_loaded(
-                live_connections(slot.backend_id),
-                live_connections(other.backend_id),
-            )
-        {
-            slot = other;
-        }
+    // Power of two choices: a second random healthy slot, and the less
+    // loaded of the two wins. Two reads, no loop.
+    if let Some(other_index) = second_slot(&entry, unsafe { bpf_get_prandom_u32() })
+        && let Some(other) = SLOTS.get(other_index).copied()
+        && second_is_less_loaded(
+            live_connections(slot.backend_id),
+            live_connections(other.backend_id),
+        )
+    {
+        slot = other;
     }
     if let Some(stats) = BACKEND_STATS.get_ptr_mut(slot.backend_id) {
         // Per-CPU value: no other writer, a plain add is race free.
@@ -277,9 +315,8 @@ fn select_backend(ctx: &SockAddrContext, vip: &Endpoint) -> Result<Option<Backen
 #[inline(always)]
 fn live_connections(backend_id: u32) -> i64 {
     match BACKEND_CONNS.get_ptr(backend_id) {
-        // SAFETY: the pointer is into the map's value; the atomic view
-        // matches the atomic adds of sock_ops.
-        // SAFETY: an aligned 8-byte load from a map value is atomic on BPF.
+        // SAFETY: an aligned 8-byte load from a map value is atomic on BPF,
+        // and matches the atomic adds of sock_ops.
         Some(conns) => unsafe { core::ptr::read_volatile(&raw const (*conns).live) },
         None => 0,
     }
@@ -287,7 +324,9 @@ fn live_connections(backend_id: u32) -> i64 {
 
 #[inline(always)]
 fn netns_allowed(ctx: &SockAddrContext, entry: &ServiceEntry) -> bool {
-    if entry.flags & SERVICE_FLAG_ALL_NETNS != 0 {
+    // Without the helper (or the daemon's cookie) namespaces cannot be told
+    // apart; the daemon says so when it starts.
+    if entry.flags & SERVICE_FLAG_ALL_NETNS != 0 || !has(features::NETNS_COOKIE) {
         return true;
     }
     let Some(settings) = SETTINGS.get(0) else {
@@ -309,46 +348,66 @@ fn count_none_healthy(table_id: u32, rejected: bool) {
     }
 }
 
+/// Keeps the socket's facts: in its own storage, which lives and dies with
+/// it, or on a kernel without that, in the legacy LRU by cookie.
 #[inline(always)]
 fn remember(ctx: &SockAddrContext, vip: &Endpoint, slot: &BackendSlot) {
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let record = RedirectedSocket {
+    let mut record = SocketRecord {
         vip: *vip,
         backend: slot.target,
         backend_id: slot.backend_id,
-        _pad: 0,
+        flags: 0,
     };
+    if has(features::SK_STORAGE) {
+        // A socket that connects again (after a failed attempt) gets its
+        // record replaced.
+        let stored = unsafe { SOCKETS.get_or_insert_ptr_mut(ctx, Some(&mut record)) };
+        if !stored.is_null() {
+            unsafe { *stored = record };
+        }
+        return;
+    }
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     // Best effort: if the insert fails, getpeername shows the backend.
-    let _ = REDIRECTS.insert(cookie, record, BPF_ANY as u64);
+    let _ = LEGACY_REDIRECTS.insert(cookie, record, 0);
+}
+
+/// The socket's record, if socklb redirected it.
+#[inline(always)]
+fn redirected_record(ctx: &SockAddrContext) -> Option<SocketRecord> {
+    if has(features::SK_STORAGE) {
+        let stored = unsafe { SOCKETS.get_ptr_mut(ctx) };
+        if !stored.is_null() {
+            return Some(unsafe { *stored });
+        }
+    }
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    unsafe { LEGACY_REDIRECTS.get(cookie) }.copied()
 }
 
 /// The VIP to show for this socket, if it was redirected and its peer is
 /// still the backend it was sent to.
 #[inline(always)]
 fn redirected_vip(ctx: &SockAddrContext, peer: &Endpoint) -> Option<Endpoint> {
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let record = unsafe { REDIRECTS.get(cookie) }.copied()?;
+    let record = redirected_record(ctx)?;
     (record.backend == *peer).then_some(record.vip)
 }
 
 fn getpeername4(ctx: &SockAddrContext) {
     let sa = sock_addr(ctx);
-    let peer = Endpoint::v4(sa.user_ip4, sa.user_port as u16);
+    let peer = unsafe { Endpoint::v4((*sa).user_ip4, port_from_user_port((*sa).user_port)) };
     if let Some(vip) = redirected_vip(ctx, &peer) {
-        sa.user_ip4 = vip.addr_be[0];
-        sa.user_port = vip.port_be as u32;
+        unsafe {
+            (*sa).user_ip4 = vip.addr_be[0];
+            (*sa).user_port = user_port_from_port(vip.port_be);
+        }
     }
 }
 
 fn getpeername6(ctx: &SockAddrContext) {
     let sa = sock_addr(ctx);
-    let words = [
-        sa.user_ip6[0],
-        sa.user_ip6[1],
-        sa.user_ip6[2],
-        sa.user_ip6[3],
-    ];
-    let port_be = sa.user_port as u16;
+    let words = user_ip6(sa);
+    let port_be = unsafe { port_from_user_port((*sa).user_port) };
     let mapped = words[0] == 0 && words[1] == 0 && words[2] == V4_MAPPED_WORD_BE;
     let peer = if mapped {
         Endpoint::v4(words[3], port_be)
@@ -358,15 +417,17 @@ fn getpeername6(ctx: &SockAddrContext) {
     let Some(vip) = redirected_vip(ctx, &peer) else {
         return;
     };
-    if mapped {
-        sa.user_ip6[3] = vip.addr_be[0];
-    } else {
-        sa.user_ip6[0] = vip.addr_be[0];
-        sa.user_ip6[1] = vip.addr_be[1];
-        sa.user_ip6[2] = vip.addr_be[2];
-        sa.user_ip6[3] = vip.addr_be[3];
+    unsafe {
+        if mapped {
+            (*sa).user_ip6[3] = vip.addr_be[0];
+        } else {
+            (*sa).user_ip6[0] = vip.addr_be[0];
+            (*sa).user_ip6[1] = vip.addr_be[1];
+            (*sa).user_ip6[2] = vip.addr_be[2];
+            (*sa).user_ip6[3] = vip.addr_be[3];
+        }
+        (*sa).user_port = user_port_from_port(vip.port_be);
     }
-    sa.user_port = vip.port_be as u32;
 }
 
 #[sock_ops]
@@ -380,12 +441,47 @@ pub fn socklb_sockops(ctx: SockOpsContext) -> u32 {
 const TCP_SYN_SENT: u32 = 2;
 const TCP_CLOSE: u32 = 7;
 
-/// The backend id of a socket socklb redirected, and its cookie.
+/// One field of the sock_ops context. The verifier allows 4-byte reads of
+/// these fields for full sockets, which every callback used here has.
 #[inline(always)]
-fn redirected_backend(ctx: &SockOpsContext) -> Option<(u64, u32)> {
+fn sock_ops_field(ctx: &SockOpsContext, read: impl Fn(&bpf_sock_ops) -> u32) -> u32 {
+    // SAFETY: the kernel hands a valid context for the program's lifetime.
+    read(unsafe { &*ctx.ops })
+}
+
+/// Where a socket's record lives, as sock_ops finds it.
+enum Record {
+    /// In the socket's storage (the record can be updated in place).
+    Stored(*mut SocketRecord),
+    /// In the legacy LRU, by cookie (a socket redirected before an upgrade,
+    /// or on a kernel without socket storage in sock_addr).
+    Legacy(u64, SocketRecord),
+}
+
+impl Record {
+    fn get(&self) -> SocketRecord {
+        match self {
+            Self::Stored(record) => unsafe { **record },
+            Self::Legacy(_, record) => *record,
+        }
+    }
+}
+
+#[inline(always)]
+fn sock_ops_record(ctx: &SockOpsContext) -> Option<Record> {
+    // SAFETY: `sk` of a full socket (null otherwise, which the helper takes).
+    let sk = unsafe { (*ctx.ops).__bindgen_anon_2.sk };
+    if !sk.is_null() {
+        let map = core::ptr::from_ref(&SOCKETS).cast_mut().cast();
+        let stored = unsafe { bpf_sk_storage_get(map, sk.cast(), core::ptr::null_mut(), 0) }
+            .cast::<SocketRecord>();
+        if !stored.is_null() {
+            return Some(Record::Stored(stored));
+        }
+    }
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let record = unsafe { REDIRECTS.get(cookie) }?;
-    Some((cookie, record.backend_id))
+    let record = unsafe { LEGACY_REDIRECTS.get(cookie) }.copied()?;
+    Some(Record::Legacy(cookie, record))
 }
 
 fn count_connection(ctx: &SockOpsContext) {
@@ -397,17 +493,13 @@ fn count_connection(ctx: &SockOpsContext) {
     {
         return;
     }
-    let Some((cookie, backend_id)) = redirected_backend(ctx) else {
+    let Some(record) = sock_ops_record(ctx) else {
         return;
     };
+    let backend_id = record.get().backend_id;
     let Some(conns) = BACKEND_CONNS.get_ptr_mut(backend_id) else {
         return;
     };
-    // SAFETY (all accesses below): `conns` points into a map value that
-    // lives as long as the map; every CPU updates it with atomic adds or
-    // aligned single stores only.
-    let live = unsafe { &raw mut (*conns).live };
-    let consecutive = unsafe { &raw mut (*conns).consecutive_failures };
     match op {
         BPF_SOCK_OPS_TCP_CONNECT_CB => {
             // Ask for state changes of this socket, to see how it ends, and
@@ -417,8 +509,11 @@ fn count_connection(ctx: &SockOpsContext) {
         }
         BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB => {
             unsafe {
-                atomic_xadd::<i64, i64, { Relaxed }>(live, 1);
-                core::ptr::write_volatile(consecutive, 0);
+                add_i64(&raw mut (*conns).live, 1);
+                core::ptr::write_volatile(&raw mut (*conns).consecutive_failures, 0);
+            }
+            if let Record::Stored(stored) = record {
+                unsafe { (*stored).flags |= SOCKET_FLAG_LIVE };
             }
             // An established connection's timeouts say nothing about the
             // server's health here; stop the RTO callbacks.
@@ -438,7 +533,18 @@ fn count_connection(ctx: &SockOpsContext) {
             if new_state != TCP_CLOSE {
                 return;
             }
-            if old_state == TCP_SYN_SENT {
+            let counted = match &record {
+                Record::Stored(stored) => unsafe { (**stored).flags & SOCKET_FLAG_LIVE != 0 },
+                // The first layout counted every record that got past
+                // SYN_SENT.
+                Record::Legacy(..) => old_state != TCP_SYN_SENT,
+            };
+            if counted {
+                unsafe { add_i64(&raw mut (*conns).live, -1) };
+                if let Record::Stored(stored) = record {
+                    unsafe { (*stored).flags &= !SOCKET_FLAG_LIVE };
+                }
+            } else if old_state == TCP_SYN_SENT {
                 // A socket that never established received a segment only
                 // if the server reset it. No segment and no retransmission
                 // means the local application closed its own connect,
@@ -449,51 +555,63 @@ fn count_connection(ctx: &SockOpsContext) {
                 if segments_in > 0 && retransmits == 0 {
                     report_failure(conns, backend_id, EVIDENCE_RESET);
                 }
-            } else {
-                unsafe { atomic_xadd::<i64, i64, { Relaxed }>(live, -1) };
             }
-            // The socket is gone; its getpeername record is no longer needed.
-            let _ = REDIRECTS.remove(cookie);
+            // The socket storage goes with the socket; a legacy record must
+            // be removed.
+            if let Record::Legacy(cookie, _) = record {
+                let _ = LEGACY_REDIRECTS.remove(cookie);
+            }
         }
     }
 }
 
-/// One field of the sock_ops context. The verifier allows 4-byte reads of
-/// these fields for full sockets, which every callback used here has.
-#[inline(always)]
-fn sock_ops_field(ctx: &SockOpsContext, read: impl Fn(&bpf_sock_ops) -> u32) -> u32 {
-    // SAFETY: the kernel hands a valid context for the program's lifetime.
-    read(unsafe { &*ctx.ops })
-}
-
-/// Counts a failed connect with server-side evidence and tells the daemon.
+/// Counts a failed connect with server-side evidence and tells the daemon,
+/// which reads the streak from the counters.
 #[inline(always)]
 fn report_failure(conns: *mut BackendConns, backend_id: u32, evidence: u32) {
-    // The fetch-add's returned value is not reliable on this LLVM's BPF
-    // backend (it yields the operand), so read the counter back; a
-    // concurrent failure can only make it larger.
-    let consecutive_failures = unsafe {
-        atomic_xadd::<u64, u64, { Relaxed }>(&raw mut (*conns).failed_connects, 1);
-        let consecutive = &raw mut (*conns).consecutive_failures;
-        atomic_xadd::<u32, u32, { Relaxed }>(consecutive, 1);
-        core::ptr::read_volatile(consecutive)
-    };
+    unsafe {
+        add_u64(&raw mut (*conns).failed_connects, 1);
+        add_u64(&raw mut (*conns).consecutive_failures, 1);
+    }
     let failure = ConnectFailure {
         backend_id,
-        consecutive_failures,
         evidence,
-        _pad: 0,
     };
     // If the ring is full the daemon is behind; the counters above still
     // hold the truth.
     let _ = CONNECT_FAILURES.output(failure, 0);
 }
 
-#[cfg(not(test))]
+/// An atomic add on a 64-bit counter shared by all CPUs (BPF_ATOMIC ADD).
+/// Its fetched value is never used: nothing here depends on it.
+#[inline(always)]
+unsafe fn add_i64(counter: *mut i64, delta: i64) {
+    #[cfg(target_arch = "bpf")]
+    unsafe {
+        core::intrinsics::atomic_xadd::<i64, i64, { core::intrinsics::AtomicOrdering::Relaxed }>(
+            counter, delta,
+        );
+    }
+    #[cfg(not(target_arch = "bpf"))]
+    unsafe {
+        *counter += delta;
+    }
+}
+
+#[inline(always)]
+unsafe fn add_u64(counter: *mut u64, delta: u64) {
+    unsafe { add_i64(counter.cast::<i64>(), delta as i64) };
+}
+
+#[cfg(target_arch = "bpf")]
 #[panic_handler]
 fn panic(_info: &core::panic::PanicInfo) -> ! {
     loop {}
 }
+
+/// On the host the crate only type-checks (`cargo check --workspace`).
+#[cfg(not(target_arch = "bpf"))]
+fn main() {}
 
 #[unsafe(link_section = "license")]
 #[unsafe(no_mangle)]

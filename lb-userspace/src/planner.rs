@@ -6,11 +6,15 @@
 //! id. [`plan`] then turns the layout plus one health bit per backend into
 //! [`TableContents`]: the weighted healthy list and the all-backends list.
 
-use std::net::{IpAddr, SocketAddr};
+use std::{
+    collections::{HashMap, HashSet},
+    net::{IpAddr, SocketAddr},
+};
 
 use lb_common::{
-    Endpoint, FAMILY_V4, FAMILY_V6, SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_LEAST_CONN,
-    SERVICE_FLAG_PREFER_LOCAL, SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY, SLOTS_PER_LIST,
+    Endpoint, FAMILY_V4, FAMILY_V6, MAX_BACKENDS, MAX_TABLES, SERVICE_FLAG_ALL_NETNS,
+    SERVICE_FLAG_LEAST_CONN, SERVICE_FLAG_PREFER_LOCAL, SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY,
+    SLOTS_PER_LIST,
 };
 
 use crate::config::{BackendRole, Config, HealthSettings, NoneHealthyPolicy, SelectionPolicy};
@@ -50,18 +54,94 @@ pub struct TableLayout {
     pub backends: Vec<BackendLayout>,
 }
 
-/// Every table of a configuration, with ids assigned in config order, so the
-/// same file always yields the same ids (and a restarted daemon finds its
-/// counters where it left them).
+/// Every table of a configuration, with its ids: in config order for a
+/// first start, kept from the pinned records otherwise (see `keeping`), so
+/// a restarted daemon finds its counters where it left them.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Layout {
     pub tables: Vec<TableLayout>,
 }
 
+/// The ids a previous configuration gave (from the pinned records): tables
+/// by (service, family), backends by (service, address), and the backend
+/// ids that must not go to another backend because connections counted
+/// under them are still open.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct KnownIds {
+    pub tables: HashMap<(String, u8), u32>,
+    pub backends: HashMap<(String, SocketAddr), u32>,
+    pub busy: HashSet<u32>,
+}
+
+/// Gives each item its known id when it has one not taken yet, then every
+/// other item the lowest id not taken and not busy (busy ids go last).
+fn assign_ids(wanted: &[Option<u32>], limit: u32, busy: &HashSet<u32>) -> Vec<u32> {
+    let mut taken: HashSet<u32> = HashSet::new();
+    let mut ids: Vec<Option<u32>> = wanted
+        .iter()
+        .map(|known| known.filter(|id| *id < limit && taken.insert(*id)))
+        .collect();
+    let mut free = (0..limit).filter(|id| !taken.contains(id) && !busy.contains(id));
+    let mut busy_free = (0..limit).filter(|id| !taken.contains(id) && busy.contains(id));
+    for id in ids.iter_mut().filter(|id| id.is_none()) {
+        *id = free.next().or_else(|| busy_free.next());
+    }
+    // The config's limits keep the items within `limit`.
+    ids.into_iter().map(|id| id.unwrap_or(limit)).collect()
+}
+
 impl Layout {
     /// `is_local(ip)` says whether an address belongs to this host; it only
-    /// matters for services with the prefer-local policy.
+    /// matters for services with the prefer-local policy. Ids follow config
+    /// order.
     pub fn from_config(config: &Config, is_local: impl Fn(IpAddr) -> bool) -> Self {
+        Self::keeping(config, is_local, &KnownIds::default())
+    }
+
+    /// Like `from_config`, but keeping the ids of `known`: a table keeps
+    /// its id as long as its service has VIPs of its family, a backend as
+    /// long as its service lists its address, whatever the order of the
+    /// file. Counters indexed by id thus stay true across any edit.
+    pub fn keeping(config: &Config, is_local: impl Fn(IpAddr) -> bool, known: &KnownIds) -> Self {
+        let mut layout = Self::in_config_order(config, is_local);
+        let table_ids = assign_ids(
+            &layout
+                .tables
+                .iter()
+                .map(|table| {
+                    known
+                        .tables
+                        .get(&(table.service.clone(), table.family))
+                        .copied()
+                })
+                .collect::<Vec<_>>(),
+            MAX_TABLES,
+            &HashSet::new(),
+        );
+        let backend_ids = assign_ids(
+            &layout
+                .backends()
+                .map(|(table, backend)| {
+                    known
+                        .backends
+                        .get(&(table.service.clone(), backend.addr))
+                        .copied()
+                })
+                .collect::<Vec<_>>(),
+            MAX_BACKENDS,
+            &known.busy,
+        );
+        let mut next = backend_ids.into_iter();
+        for (table, table_id) in layout.tables.iter_mut().zip(table_ids) {
+            table.table_id = table_id;
+            for backend in &mut table.backends {
+                backend.id = next.next().unwrap_or(MAX_BACKENDS);
+            }
+        }
+        layout
+    }
+
+    fn in_config_order(config: &Config, is_local: impl Fn(IpAddr) -> bool) -> Self {
         let mut tables = Vec::new();
         let mut next_backend_id = 0;
         for service in &config.services {
@@ -291,6 +371,78 @@ mod tests {
         vips = ["127.0.0.1:2379"]
         backends = ["127.0.0.4:1"]
     "#;
+
+    /// (service, address) → id of every backend of a layout.
+    fn backend_ids(layout: &Layout) -> HashMap<(String, SocketAddr), u32> {
+        layout
+            .backends()
+            .map(|(table, backend)| ((table.service.clone(), backend.addr), backend.id))
+            .collect()
+    }
+
+    #[test]
+    fn ids_are_kept_across_reorders_and_edits() {
+        let first = layout(TWO_FAMILIES);
+        let known = KnownIds {
+            tables: first
+                .tables
+                .iter()
+                .map(|table| ((table.service.clone(), table.family), table.table_id))
+                .collect(),
+            backends: backend_ids(&first),
+            // 127.0.0.4 (id 3) is dropped below while connections to it
+            // are open: its id must not go to another backend.
+            busy: HashSet::from([3]),
+        };
+        let edited = r#"
+            [[service]]
+            name = "etcd"
+            all-netns = true
+            vips = ["127.0.0.1:2379"]
+            backends = ["127.0.0.9:1"]
+            [[service]]
+            name = "api"
+            vips = ["[::1]:6444", "127.0.0.1:6444"]
+            when-none-healthy = "reject"
+            backends = ["127.0.0.3:1", "[::1]:2", "127.0.0.8:1", "127.0.0.2:1,weight=2"]
+        "#;
+        let second = Layout::keeping(&parse_toml(edited).unwrap(), |_| false, &known);
+        let ids = backend_ids(&second);
+        let id = |service: &str, addr: &str| ids[&(service.to_string(), addr.parse().unwrap())];
+        // (what, kept id or expected id)
+        let cases = [
+            ("127.0.0.2 keeps its id", id("api", "127.0.0.2:1"), 0),
+            ("127.0.0.3 keeps its id", id("api", "127.0.0.3:1"), 1),
+            ("[::1]:2 keeps its id", id("api", "[::1]:2"), 2),
+            (
+                "a new backend takes the lowest free id, not a busy one",
+                id("etcd", "127.0.0.9:1"),
+                4,
+            ),
+            (
+                "the next new one takes the next",
+                id("api", "127.0.0.8:1"),
+                5,
+            ),
+        ];
+        for (what, got, want) in cases {
+            assert_eq!(got, want, "{what}");
+        }
+        let tables: Vec<(&str, u8, u32)> = second
+            .tables
+            .iter()
+            .map(|table| (table.service.as_str(), table.family, table.table_id))
+            .collect();
+        assert_eq!(
+            tables,
+            [
+                ("etcd", FAMILY_V4, 2),
+                ("api", FAMILY_V4, 0),
+                ("api", FAMILY_V6, 1)
+            ],
+            "tables keep their ids, whatever the order"
+        );
+    }
 
     #[test]
     fn layout_assigns_ids_per_family_in_order() {

@@ -1,19 +1,29 @@
 //! Closing established connections to a failed backend, so that long-lived
 //! watches reconnect (through the VIP) to a healthy one.
 //!
-//! Uses sock_diag: a dump of the TCP sockets of this network namespace,
-//! then SOCK_DESTROY for each one that goes to the backend and that socklb
-//! redirected (its cookie is in `REDIRECTS`). A process that dialled the
-//! backend directly keeps its connection. The client's socket is aborted
-//! with ECONNABORTED, as `ss -K` does.
+//! Uses sock_diag: a dump of the TCP sockets of this network namespace that
+//! asks the kernel for each socket's record in socklb's socket storage
+//! (`INET_DIAG_REQ_SK_BPF_STORAGES`), then SOCK_DESTROY for each one that
+//! goes to the backend and that socklb redirected there (its record says
+//! so, or, for a socket redirected before an upgrade, the legacy map does).
+//! A process that dialled the backend directly keeps its connection. The
+//! client's socket is aborted with ECONNABORTED, as `ss -K` does.
+//!
+//! Why sock_diag and not a BPF socket iterator with `bpf_sock_destroy`:
+//! the dump with storages needs Linux 5.2 and no kfunc, which aya-ebpf
+//! cannot call yet; it walks the sockets once per failed backend, which is
+//! rare, at about a microsecond per socket.
 
 use std::{
     io,
     net::{IpAddr, SocketAddr},
+    os::fd::{AsRawFd, BorrowedFd},
 };
 
+use lb_common::SocketRecord;
 use netlink_packet_core::{
-    NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload,
+    NLM_F_ACK, NLM_F_DUMP, NLM_F_REQUEST, NetlinkHeader, NetlinkMessage, NetlinkPayload, Nla,
+    NlaBuffer, NlasIterator,
 };
 use netlink_packet_sock_diag::{
     SockDiagDestroy, SockDiagMessage,
@@ -45,21 +55,41 @@ fn live_states() -> StateFlags {
         | StateFlags::CLOSING
 }
 
-/// Destroys every connection to `backend` whose socket cookie `redirected`
-/// accepts. Blocking; run it off the async runtime.
+/// One socket of a dump, with its record in socklb's storage if it has one.
+struct Dumped {
+    family: u8,
+    id: SocketId,
+    record: Option<SocketRecord>,
+}
+
+/// Destroys every connection to `backend` that socklb redirected there:
+/// one whose record in the storage map `storage` names the backend, or,
+/// without one, whose socket cookie `legacy` accepts. Blocking; run it off
+/// the async runtime.
 pub fn destroy_redirected(
     backend: SocketAddr,
-    redirected: impl Fn(u64) -> bool,
+    storage: BorrowedFd<'_>,
+    legacy: impl Fn(u64) -> bool,
 ) -> io::Result<SweepReport> {
     let mut report = SweepReport::default();
+    let target = crate::planner::endpoint(&backend);
     let families: &[u8] = match backend.ip() {
         // An IPv6 socket that dialled ::ffff:a.b.c.d is an AF_INET6 socket.
         IpAddr::V4(_) => &[AF_INET, AF_INET6],
         IpAddr::V6(_) => &[AF_INET6],
     };
     for &family in families {
-        for (socket_family, id) in dump(family)? {
-            if !goes_to(&id, backend) || !redirected(cookie(&id)) {
+        for Dumped {
+            family: socket_family,
+            id,
+            record,
+        } in dump(family, storage)?
+        {
+            let redirected = match record {
+                Some(record) => record.backend == target,
+                None => legacy(cookie(&id)),
+            };
+            if !goes_to(&id, backend) || !redirected {
                 continue;
             }
             report.matched += 1;
@@ -106,38 +136,96 @@ fn request(family: u8, socket_id: SocketId) -> SockDiagMessage {
     })
 }
 
-fn send<T: netlink_packet_core::NetlinkSerializable>(
-    socket: &Socket,
-    flags: u16,
-    payload: T,
-) -> io::Result<()> {
+fn encode<T: netlink_packet_core::NetlinkSerializable>(flags: u16, payload: T) -> Vec<u8> {
     let mut header = NetlinkHeader::default();
     header.flags = flags;
     let mut packet = NetlinkMessage::new(header, NetlinkPayload::InnerMessage(payload));
     packet.finalize();
     let mut buffer = vec![0; packet.buffer_len()];
     packet.serialize(&mut buffer);
-    socket.send(&buffer, 0)?;
+    buffer
+}
+
+fn send<T: netlink_packet_core::NetlinkSerializable>(
+    socket: &Socket,
+    flags: u16,
+    payload: T,
+) -> io::Result<()> {
+    socket.send(&encode(flags, payload), 0)?;
     Ok(())
+}
+
+/// `INET_DIAG_REQ_SK_BPF_STORAGES`, in a request (linux/inet_diag.h).
+const INET_DIAG_REQ_SK_BPF_STORAGES: u16 = 2;
+/// `SK_DIAG_BPF_STORAGE_REQ_MAP_FD`, within it (linux/sock_diag.h).
+const SK_DIAG_BPF_STORAGE_REQ_MAP_FD: u16 = 1;
+/// `INET_DIAG_SK_BPF_STORAGES`, in a response.
+const INET_DIAG_SK_BPF_STORAGES: u16 = 20;
+/// `SK_DIAG_BPF_STORAGE`, one storage within it.
+const SK_DIAG_BPF_STORAGE: u16 = 1;
+/// `SK_DIAG_BPF_STORAGE_MAP_VALUE`, within a storage.
+const SK_DIAG_BPF_STORAGE_MAP_VALUE: u16 = 3;
+const NLA_F_NESTED: u16 = 1 << 15;
+/// The type bits of an attribute's kind (the kernel sets NLA_F_NESTED on
+/// nested ones, and the crate leaves the flag in).
+const NLA_TYPE_MASK: u16 = 0x3fff;
+
+/// A dump request that also asks for each socket's value in `storage`. The
+/// crate has no field for request attributes, so the attribute is appended
+/// to its encoding and the message length fixed.
+fn dump_request(family: u8, storage: BorrowedFd<'_>) -> Vec<u8> {
+    let empty_id = if family == AF_INET {
+        SocketId::new_v4()
+    } else {
+        SocketId::new_v6()
+    };
+    let mut message = encode(NLM_F_REQUEST | NLM_F_DUMP, request(family, empty_id));
+    let fd = (storage.as_raw_fd() as u32).to_ne_bytes();
+    let inner_len: u16 = 4 + 4;
+    let outer_len: u16 = 4 + inner_len;
+    message.extend(outer_len.to_ne_bytes());
+    message.extend((INET_DIAG_REQ_SK_BPF_STORAGES | NLA_F_NESTED).to_ne_bytes());
+    message.extend(inner_len.to_ne_bytes());
+    message.extend(SK_DIAG_BPF_STORAGE_REQ_MAP_FD.to_ne_bytes());
+    message.extend(fd);
+    let total = (message.len() as u32).to_ne_bytes();
+    message[..4].copy_from_slice(&total);
+    message
+}
+
+/// The record in a response's storage attribute, if there is one of the
+/// right size (one storage was asked for).
+fn record_of(nlas: &[netlink_packet_sock_diag::inet::nlas::Nla]) -> Option<SocketRecord> {
+    let storages = nlas
+        .iter()
+        .find(|nla| nla.kind() & NLA_TYPE_MASK == INET_DIAG_SK_BPF_STORAGES)?;
+    let mut bytes = vec![0u8; storages.value_len()];
+    storages.emit_value(&mut bytes);
+    let storage = NlasIterator::new(&bytes[..])
+        .filter_map(Result::ok)
+        .find(|nla: &NlaBuffer<&[u8]>| nla.kind() & NLA_TYPE_MASK == SK_DIAG_BPF_STORAGE)?;
+    let value = NlasIterator::new(storage.value())
+        .filter_map(Result::ok)
+        .find(|nla: &NlaBuffer<&[u8]>| {
+            nla.kind() & NLA_TYPE_MASK == SK_DIAG_BPF_STORAGE_MAP_VALUE
+        })?;
+    let value = value.value();
+    if value.len() < std::mem::size_of::<SocketRecord>() {
+        return None;
+    }
+    // SAFETY: the length is checked; SocketRecord is plain integers.
+    Some(unsafe { std::ptr::read_unaligned(value.as_ptr().cast::<SocketRecord>()) })
 }
 
 fn invalid(error: impl ToString) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, error.to_string())
 }
 
-/// Every live TCP socket of one family in this network namespace.
-fn dump(family: u8) -> io::Result<Vec<(u8, SocketId)>> {
+/// Every live TCP socket of one family in this network namespace, with its
+/// record in the storage map.
+fn dump(family: u8, storage: BorrowedFd<'_>) -> io::Result<Vec<Dumped>> {
     let socket = connect()?;
-    let empty_id = if family == AF_INET {
-        SocketId::new_v4()
-    } else {
-        SocketId::new_v6()
-    };
-    send(
-        &socket,
-        NLM_F_REQUEST | NLM_F_DUMP,
-        request(family, empty_id),
-    )?;
+    socket.send(&dump_request(family, storage), 0)?;
     let mut sockets = Vec::new();
     let mut buffer = vec![0u8; 1 << 16];
     // A dump ends with NLMSG_DONE; the bound only guards against a kernel
@@ -151,7 +239,11 @@ fn dump(family: u8) -> io::Result<Vec<(u8, SocketId)>> {
             let length = message.header.length as usize;
             match message.payload {
                 NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(response)) => {
-                    sockets.push((response.header.family, response.header.socket_id));
+                    sockets.push(Dumped {
+                        family: response.header.family,
+                        id: response.header.socket_id,
+                        record: record_of(&response.nlas),
+                    });
                 }
                 NetlinkPayload::Done(_) => return Ok(sockets),
                 NetlinkPayload::Error(error) => return Err(error.to_io()),
@@ -164,6 +256,21 @@ fn dump(family: u8) -> io::Result<Vec<(u8, SocketId)>> {
         }
     }
     Err(invalid("sock_diag dump did not end"))
+}
+
+/// Whether the kernel takes SOCK_DESTROY (`CONFIG_INET_DIAG_DESTROY`): a
+/// destroy of a socket that does not exist says "no such socket" when it
+/// does, "not supported" when it does not.
+pub fn destroy_supported() -> bool {
+    let mut id = SocketId::new_v4();
+    id.source_address = IpAddr::from([127, 0, 0, 1]);
+    id.destination_address = IpAddr::from([127, 0, 0, 1]);
+    id.source_port = 1;
+    id.destination_port = 1;
+    match destroy(AF_INET, id) {
+        Ok(()) => true,
+        Err(error) => error.raw_os_error() != Some(libc::EOPNOTSUPP),
+    }
 }
 
 fn destroy(family: u8, id: SocketId) -> io::Result<()> {

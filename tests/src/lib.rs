@@ -22,6 +22,19 @@ use std::{
 
 use serde::Deserialize;
 
+/// Raises the soft open-files limit to the hard one (helpers that hold
+/// thousands of connections).
+pub fn raise_open_files() {
+    // SAFETY: getrlimit/setrlimit on a struct we own.
+    unsafe {
+        let mut limit: libc::rlimit = std::mem::zeroed();
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 {
+            limit.rlim_cur = limit.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &limit);
+        }
+    }
+}
+
 /// Root of the cgroup v2 hierarchy of this machine.
 pub fn cgroup_v2_root() -> PathBuf {
     socklb::cgroup::v2_root().unwrap_or_else(|error| panic!("socklb tests need cgroup v2: {error}"))
@@ -695,6 +708,29 @@ impl ConnClient {
         Self { child: Some(child) }
     }
 
+    /// Starts holding `count` connections until `release` (at most `limit`).
+    pub fn hold_until_released(
+        vip: SocketAddr,
+        cgroup: &Path,
+        count: u32,
+        limit: Duration,
+    ) -> Self {
+        let child = Self::command("--hold", vip, cgroup, count)
+            .args(["--hold-ms", &limit.as_millis().to_string()])
+            .arg("--until-stdin-closes")
+            .stdin(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|error| panic!("starting connclient: {error}"));
+        Self { child: Some(child) }
+    }
+
+    /// Ends a hold started by `hold_until_released`: every connection closes.
+    pub fn release(&mut self) {
+        if let Some(child) = self.child.as_mut() {
+            drop(child.stdin.take());
+        }
+    }
+
     /// Waits for the end of the hold; one JSON value per connection.
     pub fn finish(mut self) -> Vec<serde_json::Value> {
         let output = self
@@ -721,5 +757,40 @@ impl Drop for ConnClient {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+}
+
+/// A `holdserver` process: a backend that accepts and keeps thousands of
+/// connections. Killed (by its PID) on drop.
+pub struct HoldServer {
+    pub addr: SocketAddr,
+    child: Child,
+}
+
+impl HoldServer {
+    /// Listens on `ip` and a free port.
+    pub fn start(ip: &str) -> Self {
+        let mut child = Command::new(lbclient_bin().with_file_name("holdserver"))
+            .args(["--listen", &format!("{ip}:0"), "--max-seconds", "600"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap_or_else(|error| panic!("starting holdserver: {error}"));
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.take().expect("stdout")),
+            &mut line,
+        )
+        .expect("holdserver prints its address");
+        let addr = line.trim().parse().expect("holdserver address");
+        Self { addr, child }
+    }
+}
+
+impl Drop for HoldServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }

@@ -113,14 +113,11 @@ fn every_kind_of_tampering_is_repaired_within_a_second() {
     // The whole pin directory removed.
     std::fs::remove_dir_all(&pin).expect("remove the pin directory");
     let took = time_until("every pin back", limit, || {
-        PinPaths::new(&pin).all().iter().all(|path| {
-            path.exists()
-                || path
-                    .file_name()
-                    .unwrap()
-                    .to_string_lossy()
-                    .starts_with("new_")
-        })
+        let paths = PinPaths::new(&pin);
+        paths
+            .maps()
+            .chain(paths.links())
+            .all(|(_, path)| path.exists())
     });
     figures.push(format!("removed pin directory {} ms", took.as_millis()));
     served_only_by(&cgroup.path, vip, "b0");

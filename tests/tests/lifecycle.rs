@@ -9,6 +9,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use lb_common::names;
 use socklb::{
     config::parse_toml,
     dataplane::{BackendHealth, BpfMaps, Desired, MapStore, PinPaths, Writer},
@@ -70,19 +71,24 @@ fn pinned_links(pin_path: &Path) -> Vec<(u64, u64)> {
 
 /// `bpftool map dump` of the small maps, which a bad config must not change.
 fn dump_small_maps(pin_path: &Path) -> String {
-    ["SERVICES", "BACKENDS", "TABLES", "SETTINGS"]
-        .iter()
-        .map(|map| {
-            let output = bpftool(&[
-                "map",
-                "dump",
-                "pinned",
-                &pin_path.join(map).display().to_string(),
-            ]);
-            assert!(output.status.success(), "dump {map}");
-            String::from_utf8_lossy(&output.stdout).into_owned()
-        })
-        .collect()
+    [
+        names::SERVICES,
+        names::BACKENDS,
+        names::TABLES,
+        names::SETTINGS,
+    ]
+    .iter()
+    .map(|map| {
+        let output = bpftool(&[
+            "map",
+            "dump",
+            "pinned",
+            &pin_path.join(map).display().to_string(),
+        ]);
+        assert!(output.status.success(), "dump {map}");
+        String::from_utf8_lossy(&output.stdout).into_owned()
+    })
+    .collect()
 }
 
 /// `socklb run` for one VIP and these backends in `cgroup`, once every
@@ -546,7 +552,7 @@ fn a_tampered_service_entry_is_restored_with_a_warning() {
         daemon,
     } = one_backend("tamper", &[]);
     // Another agent deletes our VIP entry behind our back.
-    let services = daemon.pin_path.join("SERVICES").display().to_string();
+    let services = daemon.pin_path.join(names::SERVICES).display().to_string();
     let entries = bpftool_json(&["map", "dump", "pinned", &services]);
     let key: Vec<String> = entries[0]["key"]
         .as_array()

@@ -24,8 +24,9 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Verb {
-    /// Install the eBPF toolchain pieces that are missing, then build the
-    /// eBPF object with BTF.
+    /// Install the eBPF toolchain pieces that are missing (nightly, rust-src,
+    /// bpf-linker), then build the eBPF object with BTF (through
+    /// lb-userspace's build script).
     BuildEbpf,
     /// build-ebpf, then the socklb binary and the test helpers.
     Build,
@@ -133,7 +134,7 @@ fn test(cargo_args: &[String]) -> Result<()> {
     }
     run_checked(
         cargo()
-            .args(["test", "--workspace"])
+            .args(["test", "--workspace", "--exclude", "lb-ebpf"])
             .args(&test_args)
             .env("SOCKLB_BIN", target.join("socklb"))
             .env("LBCLIENT_BIN", target.join("lbclient"))

@@ -12,47 +12,16 @@ use crate::{run_checked, workspace_root};
 
 const NIGHTLY: &str = "nightly";
 
+/// Installs what building the eBPF object needs (nightly, rust-src,
+/// bpf-linker), then builds it: lb-userspace's build script does that with
+/// aya-build, so this is a `cargo build` of lb-userspace.
 pub fn build_ebpf() -> Result<()> {
     ensure_nightly()?;
     ensure_rust_src()?;
     ensure_bpf_linker()?;
-    let root = workspace_root();
-    println!("xtask: building the eBPF object (lb-ebpf, nightly, BTF)");
-    let mut command = Command::new("rustup");
-    command
-        .args([
-            "run",
-            NIGHTLY,
-            "cargo",
-            "build",
-            "--release",
-            "--target-dir",
-        ])
-        .arg(root.join("target/ebpf"))
-        .current_dir(root.join("lb-ebpf"));
-    // The outer `cargo xtask` exports variables meant for the stable host
-    // build; the eBPF build must pick its own.
-    for variable in [
-        "RUSTC",
-        "RUSTC_WRAPPER",
-        "RUSTUP_TOOLCHAIN",
-        "RUSTFLAGS",
-        "CARGO_ENCODED_RUSTFLAGS",
-        "CARGO_TARGET_DIR",
-        "CARGO_BUILD_TARGET",
-        "CARGO",
-    ] {
-        command.env_remove(variable);
-    }
-    run_checked(&mut command)?;
-    let object = root.join("target/ebpf/bpfel-unknown-none/release/lb-ebpf");
-    if !object.exists() {
-        bail!(
-            "the eBPF build succeeded but {} is missing",
-            object.display()
-        );
-    }
-    println!("xtask: eBPF object at {}", object.display());
+    println!("xtask: building the eBPF object (lb-userspace's build script, aya-build)");
+    run_checked(crate::cargo().args(["build", "--package", "lb-userspace"]))?;
+    println!("xtask: eBPF object built and embedded in socklb");
     Ok(())
 }
 

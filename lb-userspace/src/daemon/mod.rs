@@ -26,6 +26,7 @@ use tokio::{
 };
 use tracing::{debug, info, warn};
 
+use crate::dataplane::features::Features;
 use crate::{
     cgroup::{self, CgroupError},
     config::{self, Config},
@@ -137,10 +138,16 @@ fn is_local_address(ip: std::net::IpAddr) -> bool {
 /// Closes the connections socklb sent to a backend that failed (or left
 /// the configuration), after its table no longer lists it, so the clients
 /// reconnect elsewhere.
-fn close_connections(maps: &dyn MapStore, addr: SocketAddr) {
+fn close_connections(maps: &dataplane::BpfMaps, addr: SocketAddr) {
     let target = endpoint(&addr);
+    let Some(storage) = maps.fd(names::SOCKETS) else {
+        warn!("{addr}: cannot close its connections: the socket storage map is not open");
+        return;
+    };
     let result = tokio::task::block_in_place(|| {
-        sockets::destroy_redirected(addr, |cookie| maps.redirected_to(cookie, &target))
+        sockets::destroy_redirected(addr, storage, |cookie| {
+            maps.legacy_redirected_to(cookie, &target)
+        })
     });
     match result {
         Ok(report) if report.matched == 0 => {}
@@ -183,6 +190,7 @@ struct Daemon {
     confirmer: Confirmer,
     record: DaemonRecord,
     verifier: verify::Verifier,
+    features: Features,
     _lock: InstallLock,
 }
 
@@ -202,11 +210,18 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
     // Before anything is installed: a SIGTERM during start-up must reach
     // the loop (and --cleanup-on-exit), not end the process half-way.
     let mut signals = Signals::install()?;
-    let host_netns_cookie =
+    let features = Features::probe();
+    for degradation in features.degradations() {
+        warn!("{degradation}");
+    }
+    let host_netns_cookie = if features.netns_cookie {
         dataplane::current_netns_cookie().map_err(|source| DaemonError::Io {
             what: "reading this network namespace's cookie (SO_NETNS_COOKIE)",
             source,
-        })?;
+        })?
+    } else {
+        0
+    };
     let cgroup = CgroupTarget {
         path: cgroup_path,
         id: cgroup_id,
@@ -219,19 +234,30 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
         host_netns_cookie,
         attached_cgroup_id: cgroup_id,
     };
-    let mut owner = Owner::new(layout, settings);
     let mut removed = Vec::new();
-    let running = dataplane::bring_up(&paths, cgroup, options.bpf_log, |maps| {
+    let mut adopted_owner = None;
+    let running = dataplane::bring_up(&paths, cgroup, options.bpf_log, &features, |maps| {
+        // Ids come from the pinned records, so that counters stay true
+        // across restarts, upgrades and config edits.
+        let known = state::known_ids(maps)?;
+        let layout = Layout::keeping(&options.config, is_local_address, &known);
+        let mut owner = Owner::new(layout, settings);
         removed = owner.adopt(maps)?;
-        if owner.write(maps) {
-            Ok(())
-        } else {
-            Err(StoreError::new(
+        if !owner.write(maps) {
+            return Err(StoreError::new(
                 names::SERVICES,
                 "the first write of the tables failed",
-            ))
+            ));
         }
+        adopted_owner = Some(owner);
+        Ok(())
     })?;
+    let Some(owner) = adopted_owner else {
+        return Err(DaemonError::Store(StoreError::new(
+            names::SERVICES,
+            "the maps were not prepared",
+        )));
+    };
     for note in &running.notes {
         warn!("{note}");
     }
@@ -239,14 +265,20 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
     // are gone from the tables now; close what socklb had sent to them.
     for addr in removed {
         info!("{addr} removed from the configuration");
-        close_connections(&running.maps, addr);
+        if features.sock_destroy {
+            close_connections(&running.maps, addr);
+        }
     }
     info!(
         cgroup = %running.attachment.cgroup().path.display(),
         pin_path = %paths.dir.display(),
         services = options.config.services.len(),
         "{}",
-        if running.adopted { "adopted the pinned data plane" } else { "installed the data plane" }
+        match (running.upgraded, running.adopted) {
+            (true, _) => "upgraded the pinned data plane in place",
+            (false, true) => "adopted the pinned data plane",
+            (false, false) => "installed the data plane",
+        }
     );
     let (reports_tx, reports) = mpsc::channel::<ProbeReport>(1024);
     let mut daemon = Daemon {
@@ -258,6 +290,7 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
         reports_tx,
         confirmer: Confirmer::default(),
         verifier: verify::Verifier::default(),
+        features,
         options,
         _lock: install_lock,
     };
@@ -310,6 +343,7 @@ impl Daemon {
             cgroup_id: self.running.attachment.cgroup().id,
             config_generation: 1,
             repairs: previous.repairs,
+            object_sha256: dataplane::object::object_sha256(),
             cgroup_path: path_field(&self.running.attachment.cgroup().path),
             pin_path: path_field(&self.paths.dir),
         };
@@ -439,7 +473,9 @@ impl Daemon {
             if let Err(failure) = &report.outcome {
                 let reason = format!("{failure}, confirming {answered}");
                 let transition = self.owner.confirm_down(report.backend_id, reason);
-                self.apply(report.backend_id, transition);
+                // Its probe loop may be in a long wait; waking it makes it
+                // probe at the down interval from now on.
+                self.apply(report.backend_id, transition, true);
                 return;
             }
             info!(
@@ -452,13 +488,14 @@ impl Daemon {
             self.owner
                 .record_probe(report.backend_id, &report.outcome, &words);
         if transition.is_some() || newly_settled {
-            self.apply(report.backend_id, transition);
+            self.apply(report.backend_id, transition, false);
         }
     }
 
     /// Logs a backend's transition once, writes the tables, and closes the
-    /// connections to a backend that went down.
-    fn apply(&mut self, backend_id: u32, transition: Option<Transition>) {
+    /// connections to a backend that went down. `wake`: let the backend's
+    /// probe loop know at once (a verdict that did not come from it).
+    fn apply(&mut self, backend_id: u32, transition: Option<Transition>, wake: bool) {
         let Some(backend) = self.probed.get(&backend_id) else {
             return;
         };
@@ -469,11 +506,12 @@ impl Daemon {
             } else {
                 warn!("{message}");
             }
-            // The probe loop reads this at its next round; waking it now
-            // would only add a probe.
+            // Otherwise the probe loop reads this after its next probe;
+            // waking it for its own verdict would only add a probe.
             backend.down.send_if_modified(|down| {
+                let changed = *down == transition.healthy;
                 *down = !transition.healthy;
-                false
+                changed && wake
             });
         }
         if !self.owner.write(&mut self.running.maps) {
@@ -481,7 +519,8 @@ impl Daemon {
             // now would only send the clients back to it.
             return;
         }
-        if transition.is_some_and(|transition| !transition.healthy) && backend.close_on_failure {
+        let went_down = transition.is_some_and(|transition| !transition.healthy);
+        if went_down && backend.close_on_failure && self.features.sock_destroy {
             close_connections(&self.running.maps, backend.addr);
         }
     }
@@ -492,16 +531,20 @@ impl Daemon {
         let Some(backend) = self.probed.get(&record.backend_id) else {
             return;
         };
+        // The streak is the kernel's: reset by every connect that
+        // establishes.
+        let consecutive = self
+            .running
+            .maps
+            .connections(record.backend_id)
+            .consecutive_failures;
         debug!(
             backend = %backend.addr,
-            consecutive = record.consecutive_failures,
+            consecutive,
             "failed connect reported by the kernel: {}", evidence_words(record.evidence)
         );
-        let threshold = backend.connect_failures;
-        if threshold == 0
-            || record.consecutive_failures < threshold
-            || !self.owner.is_healthy(record.backend_id)
-        {
+        let threshold = u64::from(backend.connect_failures);
+        if threshold == 0 || consecutive < threshold || !self.owner.is_healthy(record.backend_id) {
             return;
         }
         if !self

@@ -33,8 +33,7 @@ pub fn evidence_words(evidence: u32) -> &'static str {
     }
 }
 
-/// One record of the `CONNECT_FAILURES` ring buffer. A record of an older
-/// program (8 bytes, no evidence field) reads as evidence 0.
+/// One record of the `CONNECT_FAILURES` ring buffer.
 pub fn parse_connect_failure(bytes: &[u8]) -> Option<ConnectFailure> {
     let word = |index: usize| -> Option<u32> {
         let start = index * 4;
@@ -43,9 +42,7 @@ pub fn parse_connect_failure(bytes: &[u8]) -> Option<ConnectFailure> {
     };
     Some(ConnectFailure {
         backend_id: word(0)?,
-        consecutive_failures: word(1)?,
-        evidence: word(2).unwrap_or(0),
-        _pad: 0,
+        evidence: word(1)?,
     })
 }
 
@@ -150,22 +147,13 @@ mod tests {
     }
 
     #[test]
-    fn records_of_both_layouts_parse() {
-        let mut new = Vec::new();
-        for word in [7u32, 3, EVIDENCE_RESET, 0] {
-            new.extend(word.to_ne_bytes());
+    fn records_parse() {
+        let mut bytes = Vec::new();
+        for word in [7u32, EVIDENCE_RESET] {
+            bytes.extend(word.to_ne_bytes());
         }
-        let parsed = parse_connect_failure(&new).unwrap();
-        assert_eq!(
-            (
-                parsed.backend_id,
-                parsed.consecutive_failures,
-                parsed.evidence
-            ),
-            (7, 3, EVIDENCE_RESET)
-        );
-        let old = parse_connect_failure(&new[..8]).unwrap();
-        assert_eq!(old.evidence, 0);
-        assert!(parse_connect_failure(&new[..4]).is_none());
+        let parsed = parse_connect_failure(&bytes).unwrap();
+        assert_eq!((parsed.backend_id, parsed.evidence), (7, EVIDENCE_RESET));
+        assert!(parse_connect_failure(&bytes[..4]).is_none());
     }
 }

@@ -16,8 +16,35 @@ use crate::{
     dataplane::{BackendHealth, Desired, Drift, MapStore, StoreError, Writer, tables::table_name},
     errors,
     health::{HealthTracker, ProbeFailure, Transition},
-    planner::{BackendLayout, Layout, TableLayout, endpoint, plan, socket_addr},
+    planner::{BackendLayout, KnownIds, Layout, TableLayout, endpoint, plan, socket_addr},
 };
+
+/// The ids the pinned records give: what `Layout::keeping` keeps.
+pub fn known_ids(store: &dyn MapStore) -> Result<KnownIds, StoreError> {
+    let tables = store.tables()?;
+    let service_of: HashMap<u32, String> = tables
+        .iter()
+        .map(|(id, info)| (*id, table_name(info)))
+        .collect();
+    let mut known = KnownIds {
+        tables: tables
+            .iter()
+            .map(|(id, info)| ((table_name(info), info.family), *id))
+            .collect(),
+        ..KnownIds::default()
+    };
+    for (id, info) in store.backends()? {
+        if let (Some(service), Some(addr)) =
+            (service_of.get(&info.table_id), socket_addr(&info.target))
+        {
+            known.backends.insert((service.clone(), addr), id);
+        }
+        if store.connections(id).live > 0 {
+            known.busy.insert(id);
+        }
+    }
+    Ok(known)
+}
 
 /// What a drain request did.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -39,7 +39,7 @@ impl Verifier {
     }
 
     fn map_pins(&mut self, paths: &PinPaths, running: &mut Running, done: &mut Vec<usize>) {
-        for name in install::missing_map_pins(paths, &running.maps) {
+        for name in install::missing_map_pins(paths, &running.maps, &running.pinned) {
             let path = paths.map(name);
             match install::repin_map(paths, &running.maps, name) {
                 Ok(()) => {

@@ -28,7 +28,8 @@ use aya::{Ebpf, maps::Map};
 use lb_common::names;
 
 use super::{
-    Attachment, BpfLogLevel, BpfMaps, CgroupTarget, KernelError, PinPaths, StoreError, object, sys,
+    Attachment, BpfLogLevel, BpfMaps, CgroupTarget, KernelError, PinPaths, StoreError,
+    features::Features, migrate, object, sys,
 };
 
 /// Test-only: SIGKILL this process right after its N-th pin (or unpin), to
@@ -57,7 +58,11 @@ pub struct Running {
     pub attachment: Attachment,
     /// True when a previous install's maps were reused.
     pub adopted: bool,
-    /// What was found wrong with pinned links and replaced, for the log.
+    /// True when an install of the first layout was migrated.
+    pub upgraded: bool,
+    /// The maps this install keeps pinned.
+    pub pinned: Vec<&'static str>,
+    /// What was found on the links and done about it, for the log.
     pub notes: Vec<String>,
 }
 
@@ -90,11 +95,21 @@ pub fn bring_up(
     paths: &PinPaths,
     cgroup: CgroupTarget,
     log_level: BpfLogLevel,
+    features: &Features,
     prepare: impl FnOnce(&mut BpfMaps) -> Result<(), StoreError>,
 ) -> Result<Running, KernelError> {
     check_links_serve(paths, &cgroup)?;
-    let adopted = paths.map(names::SERVICES).exists();
-    let object::Loaded { mut ebpf, unpinned } = object::load(paths, log_level)?;
+    let old = if migrate::old_layout_present(paths) {
+        Some(migrate::read_old(paths)?)
+    } else {
+        if features.sk_storage {
+            migrate::drop_empty_legacy(paths);
+        }
+        None
+    };
+    let adopted = paths.map(names::SERVICES).exists() || old.is_some();
+    let pinned = object::pinned_maps(paths, features);
+    let object::Loaded { mut ebpf, unpinned } = object::load(paths, log_level, features)?;
     for name in unpinned {
         let path = paths.map(name);
         let map = ebpf.map(name).ok_or(KernelError::MissingMap(name))?;
@@ -103,22 +118,34 @@ pub fn bring_up(
         pinned_one();
     }
     let mut maps = BpfMaps::open(|name| take_map(&mut ebpf, name))?;
+    if let Some(old) = &old {
+        migrate::carry_over(old, &mut maps, paths)?;
+    }
     prepare(&mut maps)?;
-    let redirects_id = maps
-        .fd(names::REDIRECTS)
-        .ok_or(KernelError::MissingMap(names::REDIRECTS))
+    let sockets_id = maps
+        .fd(names::SOCKETS)
+        .ok_or(KernelError::MissingMap(names::SOCKETS))
         .and_then(|fd| {
             sys::map_id(fd).map_err(|source| KernelError::Io {
-                path: paths.map(names::REDIRECTS),
+                path: paths.map(names::SOCKETS),
                 source,
             })
         })?;
-    let (attachment, notes) = Attachment::establish(paths, cgroup, &mut ebpf, redirects_id)?;
+    let (attachment, mut notes) = Attachment::establish(paths, cgroup, &mut ebpf, sockets_id)?;
+    if old.is_some() {
+        let removed = migrate::remove_old(paths)?;
+        notes.push(format!(
+            "upgraded an install of the first layout in place: its state carried over, the old maps ({}) unpinned",
+            removed.join(", ")
+        ));
+    }
     Ok(Running {
         ebpf,
         maps,
         attachment,
         adopted,
+        upgraded: old.is_some(),
+        pinned,
         notes,
     })
 }
@@ -128,11 +155,16 @@ fn take_map(ebpf: &mut Ebpf, name: &'static str) -> Result<Map, StoreError> {
         .ok_or_else(|| StoreError::new(name, "not in the eBPF object"))
 }
 
-/// Map pins that are missing or hold another map, for the daemon to pin
-/// again from its own descriptors.
-pub fn missing_map_pins(paths: &PinPaths, maps: &BpfMaps) -> Vec<&'static str> {
-    names::MAPS
-        .into_iter()
+/// Map pins that are missing or hold another map, among `pinned`, for the
+/// daemon to pin again from its own descriptors.
+pub fn missing_map_pins(
+    paths: &PinPaths,
+    maps: &BpfMaps,
+    pinned: &[&'static str],
+) -> Vec<&'static str> {
+    pinned
+        .iter()
+        .copied()
         .filter(|name| {
             let Some(ours) = maps.fd(name).and_then(|fd| sys::map_id(fd).ok()) else {
                 return false;

@@ -115,14 +115,6 @@ fn pinned_link(path: &Path) -> Option<(std::os::fd::OwnedFd, sys::LinkInfo)> {
     Some((fd, info))
 }
 
-/// Whether a program uses the map with this id (a program of this install
-/// uses its REDIRECTS map).
-fn program_uses_map(program_id: u32, map_id: u32) -> bool {
-    sys::prog_fd_by_id(program_id)
-        .and_then(|fd| sys::prog_info(fd.as_fd()))
-        .is_ok_and(|info| info.map_ids.contains(&map_id))
-}
-
 /// Pins the link behind `fd` at its path, replacing what is there in one
 /// rename so that the path never stands empty.
 fn pin_fd(paths: &PinPaths, program: &'static str, fd: &OwnedFd) -> Result<(), KernelError> {
@@ -179,9 +171,12 @@ fn open_cgroup(cgroup: &CgroupTarget) -> Result<File, KernelError> {
 }
 
 impl Attachment {
-    /// Adopts each pinned link that attaches the right program to the
-    /// cgroup, and attaches (and pins) a new one for each that does not.
-    /// `map_id` is the id of this install's REDIRECTS map.
+    /// Adopts each pinned link that attaches to the cgroup: as it is when it
+    /// runs this load's program (same instructions, this install's maps),
+    /// else after switching it to this load's program with
+    /// BPF_LINK_UPDATE, atomically (an upgrade). Attaches and pins a new
+    /// link where none is pinned, or the pinned one is detached or
+    /// defunct. `map_id` is the id of this install's socket storage map.
     pub fn establish(
         paths: &PinPaths,
         cgroup: CgroupTarget,
@@ -197,25 +192,40 @@ impl Attachment {
         let mut notes = Vec::new();
         for program in names::PROGRAMS {
             let path = paths.link(program);
-            let adopted = pinned_link(&path).filter(|(_, info)| {
-                info.cgroup_id == attachment.cgroup.id && program_uses_map(info.prog_id, map_id)
+            let attached =
+                pinned_link(&path).filter(|(_, info)| info.cgroup_id == attachment.cgroup.id);
+            let Some((fd, info)) = attached else {
+                if path.exists() {
+                    notes.push(format!(
+                        "{}: not attached to {}; replaced by a new link",
+                        path.display(),
+                        attachment.cgroup.path.display()
+                    ));
+                }
+                let fd = attach_and_pin(paths, ebpf, program, &cgroup_file)?;
+                attachment.links.insert(program, fd);
+                continue;
+            };
+            let ours = object::program_fd(ebpf, program)?;
+            let our_tag = sys::prog_info(ours.as_fd()).map(|info| info.tag).ok();
+            let current = sys::prog_fd_by_id(info.prog_id)
+                .and_then(|fd| sys::prog_info(fd.as_fd()))
+                .ok();
+            let same = current.as_ref().is_some_and(|current| {
+                Some(current.tag) == our_tag && current.map_ids.contains(&map_id)
             });
-            match adopted {
-                Some((fd, _)) => {
-                    attachment.links.insert(program, fd);
-                }
-                None => {
-                    if path.exists() {
-                        notes.push(format!(
-                            "{}: not attached to {} with this install's maps; replaced",
-                            path.display(),
-                            attachment.cgroup.path.display()
-                        ));
-                    }
-                    let fd = attach_and_pin(paths, ebpf, program, &cgroup_file)?;
-                    attachment.links.insert(program, fd);
-                }
+            if !same {
+                sys::link_update(fd.as_fd(), ours.as_fd()).map_err(|source| KernelError::Io {
+                    path: path.clone(),
+                    source,
+                })?;
+                notes.push(format!(
+                    "{}: switched in place to this version's program (BPF_LINK_UPDATE; program id {} before)",
+                    path.display(),
+                    info.prog_id
+                ));
             }
+            attachment.links.insert(program, fd);
         }
         Ok((attachment, notes))
     }

@@ -7,9 +7,12 @@
 //! attaches with bpf_link, so other programs on the same cgroup hooks keep
 //! running, and it never removes anything it did not pin.
 
+mod abi;
+pub mod features;
 pub mod install;
 pub mod links;
 pub mod lock;
+pub mod migrate;
 pub mod object;
 pub mod pins;
 pub mod shadow;

@@ -16,10 +16,10 @@ use aya::{
 };
 use lb_common::names;
 
-use super::{KernelError, PinPaths};
+use super::{KernelError, PinPaths, features::Features};
 
-/// The eBPF object, built by `cargo xtask build-ebpf` and embedded by build.rs.
-static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/socklb.bpf.o"));
+/// The eBPF object, built and placed in OUT_DIR by build.rs (aya-build).
+pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-ebpf"));
 
 /// Log level of the kernel programs, fixed when they are loaded. `Off`
 /// keeps logging out of the connect path entirely: the verifier removes the
@@ -52,6 +52,25 @@ pub struct Loaded {
     pub unpinned: Vec<&'static str>,
 }
 
+/// The SHA-256 of the embedded object: which programs an install runs.
+pub fn object_sha256() -> [u8; 32] {
+    let digest = ring::digest::digest(&ring::digest::SHA256, EBPF_OBJECT);
+    let mut sha = [0u8; 32];
+    sha.copy_from_slice(digest.as_ref());
+    sha
+}
+
+/// The maps this load pins: socklb's own, and the legacy per-socket map
+/// when it is in use (a kernel without socket storage in sock_addr, or one
+/// that an upgrade left with sockets in it).
+pub fn pinned_maps(paths: &PinPaths, features: &Features) -> Vec<&'static str> {
+    let mut maps = names::MAPS.to_vec();
+    if !features.sk_storage || paths.map(names::LEGACY_REDIRECTS).exists() {
+        maps.push(names::LEGACY_REDIRECTS);
+    }
+    maps
+}
+
 /// A pinned map that does not match the object's definition.
 fn layout_problem(paths: &PinPaths, name: &str, object: &aya_obj::Object) -> Option<String> {
     let wanted = object.maps.get(name)?;
@@ -75,14 +94,19 @@ fn layout_problem(paths: &PinPaths, name: &str, object: &aya_obj::Object) -> Opt
 /// Loads every program against the pinned maps (creating the missing ones,
 /// unpinned), after checking that each pinned map has the layout this
 /// object expects.
-pub fn load(paths: &PinPaths, log_level: BpfLogLevel) -> Result<Loaded, KernelError> {
+pub fn load(
+    paths: &PinPaths,
+    log_level: BpfLogLevel,
+    features: &Features,
+) -> Result<Loaded, KernelError> {
     if EBPF_OBJECT.is_empty() {
         return Err(KernelError::NoObject);
     }
     let object = aya_obj::Object::parse(EBPF_OBJECT).map_err(|error| KernelError::Object {
         problem: error.to_string(),
     })?;
-    for name in names::MAPS {
+    let shared = pinned_maps(paths, features);
+    for &name in &shared {
         if let Some(problem) = layout_problem(paths, name, &object) {
             return Err(KernelError::Layout {
                 path: paths.map(name),
@@ -90,13 +114,20 @@ pub fn load(paths: &PinPaths, log_level: BpfLogLevel) -> Result<Loaded, KernelEr
             });
         }
     }
-    let pinned: Vec<&'static str> = names::MAPS
-        .into_iter()
+    let pinned: Vec<&'static str> = shared
+        .iter()
+        .copied()
         .filter(|name| paths.map(name).exists())
         .collect();
     let level = log_level.as_u8();
+    let bits = features.bits();
     let mut loader = EbpfLoader::new();
     loader.override_global("AYA_LOG_LEVEL", &level, false);
+    loader.override_global(names::globals::FEATURES, &bits, true);
+    if !shared.contains(&names::LEGACY_REDIRECTS) {
+        // Nothing uses the legacy map on this install: one entry, unpinned.
+        loader.map_max_entries(names::LEGACY_REDIRECTS, 1);
+    }
     let pin_paths: Vec<(&'static str, std::path::PathBuf)> =
         pinned.iter().map(|name| (*name, paths.map(name))).collect();
     for (name, path) in &pin_paths {
@@ -106,7 +137,7 @@ pub fn load(paths: &PinPaths, log_level: BpfLogLevel) -> Result<Loaded, KernelEr
     for name in names::PROGRAMS {
         load_program(&mut ebpf, name)?;
     }
-    let unpinned = names::MAPS
+    let unpinned = shared
         .into_iter()
         .filter(|name| !pinned.contains(name) && ebpf.map(name).is_some())
         .collect();
@@ -120,6 +151,22 @@ fn load_program(ebpf: &mut Ebpf, name: &'static str) -> Result<(), KernelError> 
         _ => Err(ProgramError::UnexpectedProgramType),
     };
     result.map_err(|source| KernelError::Program { name, source })
+}
+
+/// A descriptor of one loaded program of this load.
+pub fn program_fd(ebpf: &Ebpf, name: &'static str) -> Result<std::os::fd::OwnedFd, KernelError> {
+    let program_error = |source| KernelError::Program { name, source };
+    let fd = match ebpf.program(name) {
+        Some(Program::CgroupSockAddr(program)) => program.fd().map_err(program_error)?,
+        Some(Program::SockOps(program)) => program.fd().map_err(program_error)?,
+        _ => return Err(program_error(ProgramError::UnexpectedProgramType)),
+    };
+    std::os::fd::AsFd::as_fd(fd)
+        .try_clone_to_owned()
+        .map_err(|source| KernelError::Io {
+            path: std::path::PathBuf::from(name),
+            source,
+        })
 }
 
 /// Attaches one program to a cgroup with a new bpf_link, which always lets

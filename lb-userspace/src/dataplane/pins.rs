@@ -64,7 +64,17 @@ impl PinPaths {
             .map(|program| self.link_staging(program));
         let links = self.links().map(|(_, path)| path);
         let maps = self.maps().map(|(_, path)| path);
-        staging.chain(links).chain(maps).collect()
+        // Maps of the first layout, which an upgrade cut short may leave.
+        let legacy = lb_common::names::v0::MAPS
+            .iter()
+            .map(|name| self.map(name))
+            .filter(|path| !path.ends_with(lb_common::names::LEGACY_REDIRECTS));
+        staging
+            .chain(links)
+            .chain(maps)
+            .chain([self.map(lb_common::names::LEGACY_REDIRECTS)])
+            .chain(legacy)
+            .collect()
     }
 
     /// Whether anything of socklb is pinned here.

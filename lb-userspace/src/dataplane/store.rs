@@ -10,8 +10,8 @@ use std::{
 use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, MapError, PerCpuArray, PerCpuValues};
 use lb_common::{
     BackendConns, BackendInfo, BackendSlot, BackendStats, DaemonRecord, Endpoint, MAX_BACKENDS,
-    MAX_DRAINS, MAX_SLOTS, MAX_TABLES, MAX_VIPS, RedirectedSocket, ServiceEntry, Settings,
-    TableInfo, TableStats, names,
+    MAX_DRAINS, MAX_SLOTS, MAX_TABLES, MAX_VIPS, ServiceEntry, Settings, SocketRecord, TableInfo,
+    TableStats, names,
 };
 
 use super::sys;
@@ -76,8 +76,10 @@ pub trait MapStore {
     fn redirects(&self, id: u32) -> u64;
     /// "None healthy" counters of one table, summed over CPUs.
     fn table_stats(&self, id: u32) -> TableStats;
-    /// Whether socklb sent the socket with this cookie to `backend`.
-    fn redirected_to(&self, cookie: u64, backend: &Endpoint) -> bool;
+    /// Whether the legacy map says socklb sent the socket with this cookie
+    /// to `backend` (a socket redirected before an upgrade, or on a kernel
+    /// without socket storage in sock_addr).
+    fn legacy_redirected_to(&self, cookie: u64, backend: &Endpoint) -> bool;
 }
 
 /// The pinned (or freshly loaded) maps, typed, with a duplicate descriptor
@@ -85,7 +87,8 @@ pub trait MapStore {
 pub struct BpfMaps {
     services: BpfHashMap<MapData, Endpoint, ServiceEntry>,
     slots: Array<MapData, BackendSlot>,
-    redirects: BpfHashMap<MapData, u64, RedirectedSocket>,
+    /// The legacy per-socket LRU, when this install has one.
+    legacy: Option<BpfHashMap<MapData, u64, SocketRecord>>,
     backends: BpfHashMap<MapData, u32, BackendInfo>,
     tables: BpfHashMap<MapData, u32, TableInfo>,
     backend_stats: PerCpuArray<MapData, BackendStats>,
@@ -104,13 +107,15 @@ fn map_data(map: &Map) -> Option<&MapData> {
         | Map::HashMap(data)
         | Map::LruHashMap(data)
         | Map::PerCpuArray(data)
+        | Map::SkStorage(data)
         | Map::RingBuf(data) => Some(data),
         _ => None,
     }
 }
 
 impl BpfMaps {
-    /// Opens every map through `open(name)`, typed.
+    /// Opens every map through `open(name)`, typed. The legacy per-socket
+    /// map is optional.
     pub fn open(
         mut open: impl FnMut(&'static str) -> Result<Map, StoreError>,
     ) -> Result<Self, StoreError> {
@@ -135,7 +140,7 @@ impl BpfMaps {
         let maps = Self {
             services: typed!(names::SERVICES),
             slots: typed!(names::SLOTS),
-            redirects: typed!(names::REDIRECTS),
+            legacy: None,
             backends: typed!(names::BACKENDS),
             tables: typed!(names::TABLES),
             backend_stats: typed!(names::BACKEND_STATS),
@@ -151,8 +156,16 @@ impl BpfMaps {
         // them again if need be. An install of an older socklb may lack
         // AYA_LOGS.
         take(names::CONNECT_FAILURES)?;
+        take(names::SOCKETS)?;
         let _ = take(names::AYA_LOGS);
-        Ok(Self { fds, ..maps })
+        let legacy = take(names::LEGACY_REDIRECTS)
+            .ok()
+            .and_then(|map| map.try_into().ok());
+        Ok(Self {
+            fds,
+            legacy,
+            ..maps
+        })
     }
 
     /// Opens the maps pinned under a directory.
@@ -343,10 +356,11 @@ impl MapStore for BpfMaps {
             .unwrap_or_default()
     }
 
-    fn redirected_to(&self, cookie: u64, backend: &Endpoint) -> bool {
-        self.redirects
-            .get(&cookie, 0)
-            .is_ok_and(|record| record.backend == *backend)
+    fn legacy_redirected_to(&self, cookie: u64, backend: &Endpoint) -> bool {
+        self.legacy.as_ref().is_some_and(|map| {
+            map.get(&cookie, 0)
+                .is_ok_and(|record| record.backend == *backend)
+        })
     }
 }
 
@@ -507,7 +521,7 @@ impl MapStore for MemoryMaps {
         self.table_counts.get(&id).copied().unwrap_or_default()
     }
 
-    fn redirected_to(&self, cookie: u64, backend: &Endpoint) -> bool {
+    fn legacy_redirected_to(&self, cookie: u64, backend: &Endpoint) -> bool {
         self.redirected.get(&cookie) == Some(backend)
     }
 }

@@ -331,3 +331,23 @@ pub fn map_id(fd: BorrowedFd<'_>) -> io::Result<u32> {
     object_info(fd, &mut raw)?;
     Ok(raw.id)
 }
+
+#[repr(C)]
+struct LinkUpdateAttr {
+    link_fd: u32,
+    new_prog_fd: u32,
+    flags: u32,
+    old_prog_fd: u32,
+}
+
+/// Swaps the program a link runs, atomically (BPF_LINK_UPDATE): every
+/// connect sees the old program or the new one, never none.
+pub fn link_update(link: BorrowedFd<'_>, program: BorrowedFd<'_>) -> io::Result<()> {
+    let mut attr = LinkUpdateAttr {
+        link_fd: link.as_raw_fd() as u32,
+        new_prog_fd: program.as_raw_fd() as u32,
+        flags: 0,
+        old_prog_fd: 0,
+    };
+    bpf(bpf_cmd::BPF_LINK_UPDATE, &mut attr).map(drop)
+}

@@ -13,6 +13,7 @@
 //!
 //! Usage: connclient (--abort | --hold) --addr ADDR:PORT [--cgroup DIR]
 //!                   [--count N] [--ttl T] [--abort-ms MS] [--hold-ms MS]
+//!                   [--until-stdin-closes]
 
 use std::{
     io::{ErrorKind, Read, Write},
@@ -33,6 +34,8 @@ struct Args {
     ttl: u32,
     abort_after: Duration,
     hold: Duration,
+    /// End the hold early when stdin closes.
+    until_stdin_closes: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -44,6 +47,7 @@ fn parse_args() -> Result<Args, String> {
         ttl: 64,
         abort_after: Duration::from_millis(50),
         hold: Duration::from_secs(1),
+        until_stdin_closes: false,
     };
     let mut mode = None;
     let mut words = std::env::args().skip(1);
@@ -58,10 +62,11 @@ fn parse_args() -> Result<Args, String> {
             "--hold" => mode = Some(false),
             "--addr" => args.addr = value()?.parse().map_err(|e| format!("--addr: {e}"))?,
             "--cgroup" => args.cgroup = Some(PathBuf::from(value()?)),
-            "--count" => args.count = number(value()?)?.clamp(1, 1000) as u32,
+            "--count" => args.count = number(value()?)?.clamp(1, 19_000) as u32,
             "--ttl" => args.ttl = number(value()?)?.clamp(1, 255) as u32,
             "--abort-ms" => args.abort_after = Duration::from_millis(number(value()?)?),
             "--hold-ms" => args.hold = Duration::from_millis(number(value()?)?),
+            "--until-stdin-closes" => args.until_stdin_closes = true,
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -163,15 +168,26 @@ struct Held {
     held_ms: u64,
 }
 
+/// Threads that connect at once: a connect that hangs delays no other, and
+/// thousands of connections open in a few seconds.
+const CONNECTING_THREADS: u32 = 32;
+
 fn hold(args: &Args) -> Vec<Held> {
-    // All connects start at once, so one that hangs delays no other.
-    let mut streams: Vec<Result<TcpStream, std::io::Error>> = std::thread::scope(|scope| {
-        let connects: Vec<_> = (0..args.count)
-            .map(|_| scope.spawn(|| TcpStream::connect_timeout(&args.addr, Duration::from_secs(3))))
+    let per_thread = args.count.div_ceil(CONNECTING_THREADS);
+    let streams: Vec<Result<TcpStream, std::io::Error>> = std::thread::scope(|scope| {
+        let connects: Vec<_> = (0..CONNECTING_THREADS)
+            .map(|thread| {
+                let count = per_thread.min(args.count.saturating_sub(thread * per_thread));
+                scope.spawn(move || {
+                    (0..count)
+                        .map(|_| TcpStream::connect_timeout(&args.addr, Duration::from_secs(10)))
+                        .collect::<Vec<_>>()
+                })
+            })
             .collect();
         connects
             .into_iter()
-            .map(|connect| connect.join().expect("connect thread"))
+            .flat_map(|connect| connect.join().expect("connect thread"))
             .collect()
     });
     let started = Instant::now();
@@ -185,36 +201,65 @@ fn hold(args: &Args) -> Vec<Held> {
             })
         })
         .collect();
-    // Poll every connection until the hold ends; bounded by HOLD_MS.
-    while started.elapsed() < args.hold {
-        for (stream, end) in streams.iter_mut().zip(ends.iter_mut()) {
-            let (Ok(stream), None) = (stream, &end) else {
+    // poll(2) on every open connection until the hold ends: a readable one
+    // has data, an end of file, or an error.
+    let mut polled: Vec<libc::pollfd> = streams
+        .iter()
+        .map(|stream| libc::pollfd {
+            fd: stream.as_ref().map_or(-1, |stream| stream.as_raw_fd()),
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    let released = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    if args.until_stdin_closes {
+        let released = std::sync::Arc::clone(&released);
+        std::thread::spawn(move || {
+            let mut sink = [0u8; 64];
+            while matches!(std::io::stdin().read(&mut sink), Ok(n) if n > 0) {}
+            released.store(true, std::sync::atomic::Ordering::SeqCst);
+        });
+    }
+    while started.elapsed() < args.hold && !released.load(std::sync::atomic::Ordering::SeqCst) {
+        let left = args
+            .hold
+            .saturating_sub(started.elapsed())
+            .as_millis()
+            .min(200) as i32;
+        // SAFETY: poll(2) on an array of pollfd we own.
+        let ready = unsafe { libc::poll(polled.as_mut_ptr(), polled.len() as libc::nfds_t, left) };
+        if ready <= 0 {
+            continue;
+        }
+        let held_ms = started.elapsed().as_millis() as u64;
+        for ((entry, stream), end) in polled.iter_mut().zip(&streams).zip(ends.iter_mut()) {
+            if entry.revents == 0 || entry.fd < 0 {
+                continue;
+            }
+            let Ok(mut stream) = stream.as_ref() else {
                 continue;
             };
-            let _ = stream.set_read_timeout(Some(Duration::from_millis(1)));
+            let _ = stream.set_nonblocking(true);
             let mut buffer = [0u8; 256];
-            let result = stream.read(&mut buffer);
-            let held_ms = started.elapsed().as_millis() as u64;
-            *end = match result {
+            *end = match stream.read(&mut buffer) {
                 Ok(0) => Some(Held {
                     end: "eof".into(),
                     errno: None,
                     held_ms,
                 }),
                 Ok(_) => None,
-                Err(error)
-                    if matches!(error.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) =>
-                {
-                    None
-                }
+                Err(error) if error.kind() == ErrorKind::WouldBlock => None,
                 Err(error) => Some(Held {
                     end: "error".into(),
                     errno: error.raw_os_error(),
                     held_ms,
                 }),
             };
+            if end.is_some() {
+                entry.fd = -1;
+            }
+            entry.revents = 0;
         }
-        std::thread::sleep(Duration::from_millis(50));
     }
     let held_ms = started.elapsed().as_millis() as u64;
     ends.into_iter()
@@ -236,6 +281,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    socklb_tests::raise_open_files();
     if let Err(message) = enter(&args) {
         eprintln!("connclient: {message}");
         return ExitCode::from(2);

@@ -354,8 +354,8 @@ impl MapStore for LimitedWrites<'_> {
     fn table_stats(&self, id: u32) -> lb_common::TableStats {
         self.inner.table_stats(id)
     }
-    fn redirected_to(&self, cookie: u64, backend: &Endpoint) -> bool {
-        self.inner.redirected_to(cookie, backend)
+    fn legacy_redirected_to(&self, cookie: u64, backend: &Endpoint) -> bool {
+        self.inner.legacy_redirected_to(cookie, backend)
     }
 }
 

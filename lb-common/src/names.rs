@@ -1,0 +1,102 @@
+//! The names of socklb's maps and programs in the eBPF object, the one
+//! source both sides use. A pin has the name of what it pins
+//! (`link_<program>` for a link).
+//!
+//! Map names carry a version: a map whose layout changes gets a new name
+//! (`…_v2`), and an upgrade migrates the old map's state into it; a pinned
+//! map is never reinterpreted. The kernel keeps 15 bytes of an object name;
+//! every name here fits, so `bpftool map show` prints them whole.
+
+/// VIP → current selection table.
+pub const SERVICES: &str = "lb_services_v1";
+/// Selection tables, two banks per table.
+pub const SLOTS: &str = "lb_slots_v1";
+/// Per-socket facts of redirected sockets (socket-local storage).
+pub const SOCKETS: &str = "lb_sockets_v1";
+/// Redirect counters per backend (per CPU).
+pub const BACKEND_STATS: &str = "lb_bstats_v1";
+/// "None healthy" counters per table (per CPU).
+pub const TABLE_STATS: &str = "lb_tstats_v1";
+/// Backend records for status.
+pub const BACKENDS: &str = "lb_backends_v1";
+/// Table records for status.
+pub const TABLES: &str = "lb_tables_v1";
+/// The daemon's network namespace cookie and cgroup id.
+pub const SETTINGS: &str = "lb_settings_v1";
+/// Live connections and failed connects per backend.
+pub const BACKEND_CONNS: &str = "lb_conns_v1";
+/// Ring buffer of failed connects.
+pub const CONNECT_FAILURES: &str = "lb_failures_v1";
+/// Backends asked to drain.
+pub const DRAINS: &str = "lb_drains_v1";
+/// The daemon's heartbeat, identity and repair counters.
+pub const DAEMON: &str = "lb_daemon_v1";
+/// aya-log's ring buffer (aya-log names it). Pinned too, so that every
+/// load of the programs logs to the one the daemon reads.
+pub const AYA_LOGS: &str = "AYA_LOGS";
+/// The per-socket records of the first layout (an LRU hash by socket
+/// cookie). Kept only while sockets redirected before an upgrade live:
+/// getpeername and sock_ops fall back to it for a socket without storage.
+pub const LEGACY_REDIRECTS: &str = "REDIRECTS";
+
+/// Every map socklb pins, in the order a fresh install creates them.
+pub const MAPS: [&str; 13] = [
+    SERVICES,
+    SLOTS,
+    SOCKETS,
+    BACKEND_STATS,
+    TABLE_STATS,
+    BACKENDS,
+    TABLES,
+    SETTINGS,
+    BACKEND_CONNS,
+    CONNECT_FAILURES,
+    DRAINS,
+    DAEMON,
+    AYA_LOGS,
+];
+
+pub const CONNECT4: &str = "socklb_connect4";
+pub const CONNECT6: &str = "socklb_connect6";
+pub const GETPEERNAME4: &str = "socklb_getpeername4";
+pub const GETPEERNAME6: &str = "socklb_getpeername6";
+pub const SOCKOPS: &str = "socklb_sockops";
+
+/// Every program socklb attaches, each with one pinned link.
+pub const PROGRAMS: [&str; 5] = [CONNECT4, CONNECT6, GETPEERNAME4, GETPEERNAME6, SOCKOPS];
+
+/// Globals in the object's read-only data that the loader sets.
+pub mod globals {
+    /// `u32`, `FEATURE_*` bits: what the kernel offers (see `features`).
+    pub const FEATURES: &str = "SOCKLB_FEATURES";
+}
+
+/// The names of the first layout (socklb up to the commit that versioned
+/// them), which an upgrade migrates from.
+pub mod v0 {
+    pub const SERVICES: &str = "SERVICES";
+    pub const SLOTS: &str = "SLOTS";
+    pub const REDIRECTS: &str = "REDIRECTS";
+    pub const BACKEND_STATS: &str = "BACKEND_STATS";
+    pub const TABLE_STATS: &str = "TABLE_STATS";
+    pub const BACKENDS: &str = "BACKENDS";
+    pub const TABLES: &str = "TABLES";
+    pub const SETTINGS: &str = "SETTINGS";
+    pub const BACKEND_CONNS: &str = "BACKEND_CONNS";
+    pub const CONNECT_FAILURES: &str = "CONNECT_FAILURES";
+    pub const DRAINS: &str = "DRAINS";
+    /// Every map of the first layout.
+    pub const MAPS: [&str; 11] = [
+        SERVICES,
+        SLOTS,
+        REDIRECTS,
+        BACKEND_STATS,
+        TABLE_STATS,
+        BACKENDS,
+        TABLES,
+        SETTINGS,
+        BACKEND_CONNS,
+        CONNECT_FAILURES,
+        DRAINS,
+    ];
+}

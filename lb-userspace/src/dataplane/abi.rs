@@ -1,0 +1,123 @@
+//! The kernel ABI, checked by a machine: the embedded eBPF object must
+//! define every map and program that `lb_common::names` names, each map
+//! with the key and value sizes `lb_common` gives it, and every shared
+//! struct in its BTF with exactly the fields and offsets `lb_common`
+//! asserts. Runs without privileges, on the object this binary embeds.
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use lb_common::{LAYOUTS, MAP_SIZES, names};
+
+    use crate::dataplane::object::EBPF_OBJECT;
+
+    /// The structs of a raw BTF blob: name → (size, [(field, byte offset)]).
+    type Structs = BTreeMap<String, (u32, Vec<(String, u32)>)>;
+
+    fn word(bytes: &[u8], at: usize) -> u32 {
+        u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes"))
+    }
+
+    fn string(strings: &[u8], offset: u32) -> String {
+        let rest = &strings[offset as usize..];
+        let end = rest
+            .iter()
+            .position(|&byte| byte == 0)
+            .unwrap_or(rest.len());
+        String::from_utf8_lossy(&rest[..end]).into_owned()
+    }
+
+    /// Walks the type section of a BTF blob (linux/btf.h) for its structs.
+    fn btf_structs(btf: &[u8]) -> Structs {
+        assert_eq!(u16::from_le_bytes([btf[0], btf[1]]), 0xeb9f, "BTF magic");
+        let header_len = word(btf, 4) as usize;
+        let (type_off, type_len) = (word(btf, 8) as usize, word(btf, 12) as usize);
+        let (str_off, str_len) = (word(btf, 16) as usize, word(btf, 20) as usize);
+        let types = &btf[header_len + type_off..header_len + type_off + type_len];
+        let strings = &btf[header_len + str_off..header_len + str_off + str_len];
+        let mut structs = Structs::new();
+        let mut at = 0;
+        while at < types.len() {
+            let (name_off, info, size) =
+                (word(types, at), word(types, at + 4), word(types, at + 8));
+            let (kind, vlen) = ((info >> 24) & 0x1f, (info & 0xffff) as usize);
+            at += 12;
+            let trailing = match kind {
+                1 | 14 | 17 => 4,
+                3 => 12,
+                4 | 5 | 15 | 19 => 12 * vlen,
+                6 | 13 => 8 * vlen,
+                _ => 0,
+            };
+            if kind == 4 {
+                let members = (0..vlen)
+                    .map(|index| {
+                        let member = at + 12 * index;
+                        let bits = word(types, member + 8) & 0x00ff_ffff;
+                        (string(strings, word(types, member)), bits / 8)
+                    })
+                    .collect();
+                structs.insert(string(strings, name_off), (size, members));
+            }
+            at += trailing;
+        }
+        structs
+    }
+
+    fn object() -> aya_obj::Object {
+        assert!(
+            !EBPF_OBJECT.is_empty(),
+            "this build embeds no eBPF object (AYA_BUILD_SKIP); the ABI test needs it"
+        );
+        aya_obj::Object::parse(EBPF_OBJECT).expect("the embedded object parses")
+    }
+
+    #[test]
+    fn every_named_map_and_program_exists_with_its_sizes() {
+        let object = object();
+        for name in names::MAPS.iter().chain([&names::LEGACY_REDIRECTS]) {
+            assert!(
+                object.maps.contains_key(*name),
+                "map {name} is in the object"
+            );
+        }
+        for (name, key, value) in MAP_SIZES {
+            let map = &object.maps[name];
+            assert_eq!(
+                (map.key_size() as usize, map.value_size() as usize),
+                (key, value),
+                "{name}: key and value sizes"
+            );
+        }
+        for program in names::PROGRAMS {
+            assert!(
+                object.programs.contains_key(program),
+                "program {program} is in the object"
+            );
+        }
+    }
+
+    #[test]
+    fn every_shared_struct_has_its_fields_at_their_offsets_in_the_btf() {
+        let object = object();
+        let btf = object
+            .btf
+            .as_ref()
+            .expect("the object carries BTF")
+            .to_bytes();
+        let structs = btf_structs(&btf);
+        for layout in LAYOUTS {
+            let (size, members) = structs
+                .get(layout.name)
+                .unwrap_or_else(|| panic!("{} is in the BTF", layout.name));
+            assert_eq!(*size as usize, layout.size, "{}: size", layout.name);
+            let expected: Vec<(String, u32)> = layout
+                .fields
+                .iter()
+                .map(|(field, offset)| ((*field).to_string(), *offset as u32))
+                .collect();
+            assert_eq!(members, &expected, "{}: fields and offsets", layout.name);
+        }
+    }
+}

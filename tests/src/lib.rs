@@ -406,6 +406,8 @@ pub fn spread(attempts: &[Attempt]) -> BTreeMap<String, usize> {
 pub struct Daemon {
     pub pin_path: PathBuf,
     pub args: Vec<String>,
+    /// Extra environment of the daemon (test switches).
+    pub env: Vec<(String, String)>,
     child: Option<Child>,
     log_path: PathBuf,
 }
@@ -421,6 +423,16 @@ impl Daemon {
     /// Like `start`, on a given pin path (for example one that a crashed
     /// daemon left half installed).
     pub fn start_at(label: &str, args: &[String], pin_path: PathBuf) -> Self {
+        Self::start_with(label, args, pin_path, &[])
+    }
+
+    /// Like `start_at`, with extra environment (a test switch).
+    pub fn start_with(
+        label: &str,
+        args: &[String],
+        pin_path: PathBuf,
+        env: &[(&str, &str)],
+    ) -> Self {
         assert!(
             args.iter().any(|arg| arg == "--cgroup"),
             "a test daemon must attach to a child cgroup"
@@ -433,6 +445,10 @@ impl Daemon {
         let mut daemon = Self {
             pin_path,
             args: all_args,
+            env: env
+                .iter()
+                .map(|(key, value)| ((*key).to_string(), (*value).to_string()))
+                .collect(),
             child: None,
             log_path,
         };
@@ -448,6 +464,7 @@ impl Daemon {
             .expect("daemon log file");
         let child = Command::new(socklb_bin())
             .args(&self.args)
+            .envs(self.env.iter().map(|(key, value)| (key, value)))
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log fd"))
             .stderr(log)
@@ -793,4 +810,68 @@ impl Drop for HoldServer {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// The commit before the kernel ABI was versioned: the version an upgrade
+/// test starts from.
+pub const FIRST_LAYOUT_COMMIT: &str = "2ea9fbd";
+
+/// The `socklb` binary of `FIRST_LAYOUT_COMMIT`, built from this
+/// repository's history into target/old-<commit> (once; later calls reuse
+/// it). Panics with the step that failed.
+pub fn old_socklb_bin() -> PathBuf {
+    let target = socklb_bin()
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/socklb")
+        .to_path_buf();
+    let base = target.join(format!("old-{FIRST_LAYOUT_COMMIT}"));
+    let (source, build) = (base.join("src"), base.join("target"));
+    let binary = build.join("debug/socklb");
+    if binary.exists() {
+        return binary;
+    }
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the workspace root")
+        .to_path_buf();
+    let _ = std::fs::remove_dir_all(&source);
+    std::fs::create_dir_all(&source).expect("old source directory");
+    let run = |what: &str, command: &mut Command| {
+        // The outer cargo's variables are for this workspace's build.
+        for variable in ["CARGO", "CARGO_MANIFEST_DIR", "RUSTFLAGS", "RUSTC"] {
+            command.env_remove(variable);
+        }
+        let output = command
+            .output()
+            .unwrap_or_else(|error| panic!("{what}: {error}"));
+        assert!(
+            output.status.success(),
+            "{what} failed:\n{}{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    };
+    run(
+        &format!("extracting {FIRST_LAYOUT_COMMIT} from the repository's history"),
+        Command::new("sh").arg("-c").arg(format!(
+            "git -C '{}' archive --format=tar {FIRST_LAYOUT_COMMIT} | tar -x -C '{}'",
+            repo.display(),
+            source.display()
+        )),
+    );
+    run(
+        "building the old eBPF object",
+        Command::new("cargo")
+            .args(["xtask", "build-ebpf"])
+            .current_dir(&source),
+    );
+    run(
+        "building the old socklb",
+        Command::new("cargo")
+            .args(["build", "--package", "lb-userspace", "--bin", "socklb"])
+            .env("CARGO_TARGET_DIR", &build)
+            .current_dir(&source),
+    );
+    binary
 }

@@ -132,7 +132,9 @@ pub fn bring_up(
             })
         })?;
     let (attachment, mut notes) = Attachment::establish(paths, cgroup, &mut ebpf, sockets_id)?;
-    if old.is_some() {
+    if let Some(old) = &old {
+        let ids: Vec<u32> = old.backends.keys().copied().collect();
+        migrate::hand_over_counts(paths, &ids)?;
         let removed = migrate::remove_old(paths)?;
         notes.push(format!(
             "upgraded an install of the first layout in place: its state carried over, the old maps ({}) unpinned",

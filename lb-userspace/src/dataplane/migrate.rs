@@ -12,8 +12,11 @@
 //! kept while sockets redirected before the upgrade live: the new
 //! getpeername and sock_ops programs read it for them.
 //!
-//! Counters that change during the few milliseconds between the copy and
-//! the switch are not carried over.
+//! The live connection counts move last: after every link runs the new
+//! programs, the old program can no longer change its counters, and each
+//! final count is added to the new one. Only a connection that opens or
+//! closes within the microseconds of that read and write can be
+//! miscounted.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -32,7 +35,6 @@ pub struct OldState {
     pub backends: BTreeMap<u32, BackendInfo>,
     pub tables: BTreeMap<u32, TableInfo>,
     pub drains: BTreeSet<Endpoint>,
-    pub conns: BTreeMap<u32, BackendConnsV0>,
     pub backend_stats: BTreeMap<u32, Vec<BackendStats>>,
     pub table_stats: BTreeMap<u32, Vec<TableStats>>,
 }
@@ -63,7 +65,6 @@ pub fn read_old(paths: &PinPaths) -> Result<OldState, StoreError> {
     let backends: BpfHashMap<MapData, u32, BackendInfo> = typed(paths, names::v0::BACKENDS)?;
     let tables: BpfHashMap<MapData, u32, TableInfo> = typed(paths, names::v0::TABLES)?;
     let drains: BpfHashMap<MapData, Endpoint, u32> = typed(paths, names::v0::DRAINS)?;
-    let conns: Array<MapData, BackendConnsV0> = typed(paths, names::v0::BACKEND_CONNS)?;
     let backend_stats: PerCpuArray<MapData, BackendStats> = typed(paths, names::v0::BACKEND_STATS)?;
     let table_stats: PerCpuArray<MapData, TableStats> = typed(paths, names::v0::TABLE_STATS)?;
     let backends: BTreeMap<u32, BackendInfo> = backends.iter().filter_map(Result::ok).collect();
@@ -74,9 +75,6 @@ pub fn read_old(paths: &PinPaths) -> Result<OldState, StoreError> {
         ..OldState::default()
     };
     for &id in backends.keys().filter(|id| **id < MAX_BACKENDS) {
-        if let Ok(value) = conns.get(&id, 0) {
-            state.conns.insert(id, value);
-        }
         if let Ok(values) = backend_stats.get(&id, 0) {
             state
                 .backend_stats
@@ -110,17 +108,6 @@ pub fn carry_over(old: &OldState, maps: &mut BpfMaps, paths: &PinPaths) -> Resul
     for drain in &old.drains {
         maps.put_drain(drain)?;
     }
-    let mut conns: Array<MapData, BackendConns> = typed(paths, names::BACKEND_CONNS)?;
-    for (id, old) in &old.conns {
-        let value = BackendConns {
-            live: old.live,
-            failed_connects: old.failed_connects,
-            consecutive_failures: u64::from(old.consecutive_failures),
-        };
-        conns
-            .set(*id, value, 0)
-            .map_err(|error| StoreError::new(names::BACKEND_CONNS, error))?;
-    }
     let mut backend_stats: PerCpuArray<MapData, BackendStats> = typed(paths, names::BACKEND_STATS)?;
     for (id, values) in &old.backend_stats {
         let values = PerCpuValues::try_from(values.clone())
@@ -136,6 +123,27 @@ pub fn carry_over(old: &OldState, maps: &mut BpfMaps, paths: &PinPaths) -> Resul
         table_stats
             .set(*id, values, 0)
             .map_err(|error| StoreError::new(names::TABLE_STATS, error))?;
+    }
+    Ok(())
+}
+
+/// Adds the old live counts to the new ones, once every link runs the new
+/// programs (the new counters hold what happened since the switch).
+pub fn hand_over_counts(paths: &PinPaths, backend_ids: &[u32]) -> Result<(), StoreError> {
+    let old: Array<MapData, BackendConnsV0> = typed(paths, names::v0::BACKEND_CONNS)?;
+    let mut new: Array<MapData, BackendConns> = typed(paths, names::BACKEND_CONNS)?;
+    for &id in backend_ids {
+        let Ok(before) = old.get(&id, 0) else {
+            continue;
+        };
+        let now = new.get(&id, 0).unwrap_or_default();
+        let value = BackendConns {
+            live: now.live + before.live,
+            failed_connects: now.failed_connects + before.failed_connects,
+            consecutive_failures: now.consecutive_failures,
+        };
+        new.set(id, value, 0)
+            .map_err(|error| StoreError::new(names::BACKEND_CONNS, error))?;
     }
     Ok(())
 }

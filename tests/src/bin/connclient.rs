@@ -166,6 +166,8 @@ struct Held {
     end: String,
     errno: Option<i32>,
     held_ms: u64,
+    /// What getpeername says at the end, for a connection still open.
+    peer: Option<String>,
 }
 
 /// Threads that connect at once: a connect that hangs delays no other, and
@@ -198,6 +200,7 @@ fn hold(args: &Args) -> Vec<Held> {
                 end: "connect-error".into(),
                 errno: error.raw_os_error(),
                 held_ms: 0,
+                peer: None,
             })
         })
         .collect();
@@ -246,6 +249,7 @@ fn hold(args: &Args) -> Vec<Held> {
                     end: "eof".into(),
                     errno: None,
                     held_ms,
+                    peer: None,
                 }),
                 Ok(_) => None,
                 Err(error) if error.kind() == ErrorKind::WouldBlock => None,
@@ -253,6 +257,7 @@ fn hold(args: &Args) -> Vec<Held> {
                     end: "error".into(),
                     errno: error.raw_os_error(),
                     held_ms,
+                    peer: None,
                 }),
             };
             if end.is_some() {
@@ -263,11 +268,17 @@ fn hold(args: &Args) -> Vec<Held> {
     }
     let held_ms = started.elapsed().as_millis() as u64;
     ends.into_iter()
-        .map(|end| {
-            end.unwrap_or(Held {
+        .zip(&streams)
+        .map(|(end, stream)| {
+            end.unwrap_or_else(|| Held {
                 end: "open".into(),
                 errno: None,
                 held_ms,
+                peer: stream
+                    .as_ref()
+                    .ok()
+                    .and_then(|stream| stream.peer_addr().ok())
+                    .map(|peer| peer.to_string()),
             })
         })
         .collect()

@@ -63,9 +63,9 @@ pub fn target_checks(results: &Results) -> Vec<TargetCheck> {
     ] {
         let ratio = series(results, measure).and_then(|series| series.ratio(Route::Socklb));
         checks.push(TargetCheck {
-            target: format!("socklb ≥ 0.97 × direct, {what}"),
+            target: format!("socklb ≥ 0.98 × direct, {what}"),
             figure: ratio.map_or("n/a".into(), |ratio| format!("{ratio:.3} ×")),
-            met: ratio.map(|ratio| ratio >= 0.97),
+            met: ratio.map(|ratio| ratio >= 0.98),
         });
     }
     for (measure, what) in [
@@ -107,9 +107,9 @@ pub fn target_checks(results: &Results) -> Vec<TargetCheck> {
     }
     let hook = results.hook.ns_per_connect.median;
     checks.push(TargetCheck {
-        target: "socklb hook ≤ 300 ns per connect".into(),
+        target: "socklb hook ≤ 150 ns per connect".into(),
         figure: format!("{} ns", number(hook)),
-        met: hook.is_finite().then_some(hook <= 300.0),
+        met: hook.is_finite().then_some(hook <= 150.0),
     });
     checks
 }
@@ -299,7 +299,10 @@ fn render_hook(text: &mut String, results: &Results) {
          | | Median | Min | Max |\n|---|---:|---:|---:|\n\
          | connect4 run time per connect (BPF statistics) | {} ns | {} | {} |\n\
          | socklb daemon CPU over the same runs (health probes only; not on the data path) | {} CPU-s / 10k requests | {} | {} |\n\n\
-         The daemon's figure is in whole ticks of /proc (10 ms); 0 means less than one tick per run.\n",
+         The daemon's figure is in whole ticks of /proc (10 ms); 0 means less than one tick per run. \
+         The hook keeps each redirected socket's record in socket-local storage, whose allocation \
+         is most of its time; `HOOK-PROFILE.md` shows where the time goes and why it is above \
+         the target.\n",
         number(hook.ns_per_connect.median),
         number(hook.ns_per_connect.min),
         number(hook.ns_per_connect.max),

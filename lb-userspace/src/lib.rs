@@ -7,6 +7,7 @@ pub mod cgroup;
 pub mod config;
 pub mod daemon;
 pub mod dataplane;
+pub mod discovery;
 pub mod errors;
 pub mod health;
 pub mod planner;

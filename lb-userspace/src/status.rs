@@ -33,6 +33,10 @@ pub struct StatusReport {
     pub daemon: DaemonStatus,
     pub data_plane: DataPlaneStatus,
     pub services: Vec<ServiceStatus>,
+    /// What the running daemon says of its configuration and discovery
+    /// (through its control socket); absent while it does not answer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub daemon_info: Option<crate::daemon::control::DaemonInfo>,
 }
 
 #[derive(Debug, Serialize, PartialEq, Eq)]
@@ -249,6 +253,7 @@ pub fn read(store: &dyn MapStore, paths: &PinPaths) -> StatusReport {
         daemon,
         data_plane,
         services: services(store, &entries, backend_records),
+        daemon_info: None,
     }
 }
 
@@ -417,6 +422,47 @@ impl StatusReport {
     }
 }
 
+fn write_daemon_info(
+    f: &mut fmt::Formatter<'_>,
+    info: &crate::daemon::control::DaemonInfo,
+) -> fmt::Result {
+    let reload = match &info.last_reload {
+        None => "no reload yet".to_string(),
+        Some(reload) => {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::SystemTime::UNIX_EPOCH)
+                .map_or(0, |elapsed| elapsed.as_secs());
+            format!(
+                "last reload {} ago: {}{}",
+                age_words(now.saturating_sub(reload.at) * 1000),
+                if reload.ok { "" } else { "FAILED: " },
+                reload.message.replace('\n', "; ")
+            )
+        }
+    };
+    writeln!(f, "config: generation {}, {reload}", info.config_generation)?;
+    for service in info
+        .services
+        .iter()
+        .filter(|service| !service.sources.is_empty())
+    {
+        let states: Vec<String> = service
+            .sources
+            .iter()
+            .map(|(source, state)| format!("{source}: {state}"))
+            .collect();
+        writeln!(
+            f,
+            "discovery {}: following {} ({} backends); {}",
+            service.service,
+            service.following.as_deref().unwrap_or("nothing yet"),
+            service.backends,
+            states.join("; ")
+        )?;
+    }
+    Ok(())
+}
+
 impl fmt::Display for StatusReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match (&self.daemon, self.daemon.pid) {
@@ -453,6 +499,9 @@ impl fmt::Display for StatusReport {
         )?;
         for problem in &self.data_plane.problems {
             writeln!(f, "  problem: {problem}")?;
+        }
+        if let Some(info) = &self.daemon_info {
+            write_daemon_info(f, info)?;
         }
         if self.services.is_empty() {
             return writeln!(f, "no services");

@@ -5,6 +5,7 @@
 //! Traffic goes to loopback, or to the namespaces of a [`cluster`].
 
 pub mod cluster;
+pub mod kube;
 
 use std::{
     collections::BTreeMap,
@@ -106,21 +107,32 @@ pub struct Backend {
     /// Accepted connections kept open (see `start_holding`); they outlive
     /// `stop`, like established connections to a server whose listener died.
     held: Option<Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>>,
+    /// Also answers HTTP requests (see `start_http`).
+    http: bool,
+    /// HTTP requests answered.
+    http_requests: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Backend {
     /// Listens on `ip` and a free port.
     pub fn start(name: &str, ip: &str) -> Self {
-        Self::bind(name, ip, false)
+        Self::bind(name, ip, false, false)
     }
 
     /// Like `start`, but keeps every accepted connection open after sending
     /// the name, until the backend is dropped.
     pub fn start_holding(name: &str, ip: &str) -> Self {
-        Self::bind(name, ip, true)
+        Self::bind(name, ip, true, false)
     }
 
-    fn bind(name: &str, ip: &str, hold: bool) -> Self {
+    /// Like `start`, but a client that sends an HTTP request first (a
+    /// health probe of kind http) gets `200 OK` with the name as the body;
+    /// one that sends nothing for 30 ms gets the name, as from `start`.
+    pub fn start_http(name: &str, ip: &str) -> Self {
+        Self::bind(name, ip, false, true)
+    }
+
+    fn bind(name: &str, ip: &str, hold: bool, http: bool) -> Self {
         let listener = TcpListener::bind((ip, 0))
             .unwrap_or_else(|error| panic!("backend {name} binding {ip}: {error}"));
         let addr = listener.local_addr().expect("bound address");
@@ -129,6 +141,8 @@ impl Backend {
             addr,
             running: None,
             held: hold.then(Arc::default),
+            http,
+            http_requests: Arc::default(),
         };
         backend.serve(listener);
         backend
@@ -141,6 +155,8 @@ impl Backend {
             addr,
             running: None,
             held: None,
+            http: false,
+            http_requests: Arc::default(),
         };
         backend.resume();
         backend
@@ -154,11 +170,27 @@ impl Backend {
         let name = self.name.clone();
         let flag = Arc::clone(&stop);
         let held = self.held.clone();
+        let http = self.http;
+        let http_requests = Arc::clone(&self.http_requests);
         let thread = std::thread::spawn(move || {
             while !flag.load(Ordering::Relaxed) {
                 match listener.accept() {
                     Ok((mut stream, _)) => {
                         let _ = stream.set_nonblocking(false);
+                        if http {
+                            // Each in its own thread: the wait for a
+                            // request must not hold up the next accept.
+                            let name = name.clone();
+                            let http_requests = Arc::clone(&http_requests);
+                            std::thread::spawn(move || {
+                                if answer_http(&mut stream, &name) {
+                                    http_requests.fetch_add(1, Ordering::Relaxed);
+                                } else {
+                                    let _ = writeln!(stream, "{name}");
+                                }
+                            });
+                            continue;
+                        }
                         let _ = writeln!(stream, "{name}");
                         if let Some(held) = &held {
                             held.lock().expect("held connections").push(stream);
@@ -169,6 +201,11 @@ impl Backend {
             }
         });
         self.running = Some((stop, thread));
+    }
+
+    /// HTTP requests answered (by a backend from `start_http`).
+    pub fn http_requests(&self) -> usize {
+        self.http_requests.load(Ordering::Relaxed)
     }
 
     /// Closes the listening socket: new connects are refused.
@@ -196,6 +233,27 @@ impl Backend {
         };
         self.serve(listener);
     }
+}
+
+/// Answers an HTTP request with `200 OK` and the name, if the client sends
+/// one within 30 ms; returns whether it did.
+fn answer_http(stream: &mut std::net::TcpStream, name: &str) -> bool {
+    use std::io::Read;
+    let _ = stream.set_read_timeout(Some(Duration::from_millis(30)));
+    let mut request = [0u8; 1024];
+    let Ok(read) = stream.read(&mut request) else {
+        return false;
+    };
+    if !request[..read].starts_with(b"GET ") && !request[..read].starts_with(b"HEAD ") {
+        return false;
+    }
+    let body = format!("{name}\n");
+    let _ = write!(
+        stream,
+        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    true
 }
 
 impl Drop for Backend {
@@ -401,6 +459,30 @@ pub fn spread(attempts: &[Attempt]) -> BTreeMap<String, usize> {
     counts
 }
 
+/// The state directory of a test daemon: one per pin path, so that a
+/// restart on the same pins finds what the last run persisted, and no
+/// test reads another's (or the machine's /var/lib/socklb).
+pub fn state_dir_of(pin_path: &Path) -> PathBuf {
+    let name = pin_path.file_name().map_or_else(
+        || "socklb".into(),
+        |name| name.to_string_lossy().into_owned(),
+    );
+    std::env::temp_dir().join(format!("{name}-state"))
+}
+
+/// `run ARGS --pin-path PIN [--state-dir DIR]`.
+fn run_args(args: &[String], pin_path: &Path) -> Vec<String> {
+    let mut all_args = vec!["run".to_string()];
+    all_args.extend(args.iter().cloned());
+    all_args.push("--pin-path".into());
+    all_args.push(pin_path.display().to_string());
+    if !args.iter().any(|arg| arg == "--state-dir") {
+        all_args.push("--state-dir".into());
+        all_args.push(state_dir_of(pin_path).display().to_string());
+    }
+    all_args
+}
+
 /// A `socklb run` process under guard: on drop it is killed (by its PID)
 /// and its pins are removed.
 pub struct Daemon {
@@ -437,10 +519,7 @@ impl Daemon {
             args.iter().any(|arg| arg == "--cgroup"),
             "a test daemon must attach to a child cgroup"
         );
-        let mut all_args = vec!["run".to_string()];
-        all_args.extend(args.iter().cloned());
-        all_args.push("--pin-path".into());
-        all_args.push(pin_path.display().to_string());
+        let all_args = run_args(args, &pin_path);
         let log_path = std::env::temp_dir().join(format!("{}.log", unique_name(label)));
         let mut daemon = Self {
             pin_path,
@@ -543,11 +622,7 @@ impl Daemon {
             self.wait_exit(Duration::from_secs(5))
                 .expect("daemon exits on SIGTERM");
         }
-        let mut all_args = vec!["run".to_string()];
-        all_args.extend(args.iter().cloned());
-        all_args.push("--pin-path".into());
-        all_args.push(self.pin_path.display().to_string());
-        self.args = all_args;
+        self.args = run_args(args, &self.pin_path);
         self.spawn();
     }
 
@@ -634,6 +709,7 @@ impl Drop for Daemon {
         let pins = socklb::dataplane::PinPaths::new(&self.pin_path);
         let _ = socklb::dataplane::remove_pins(&pins);
         let _ = std::fs::remove_file(socklb::dataplane::lock::RunPaths::of(&pins).lock);
+        let _ = std::fs::remove_dir_all(state_dir_of(&self.pin_path));
         if std::thread::panicking() {
             eprintln!("socklb log ({}):\n{}", self.log_path.display(), self.log());
         }

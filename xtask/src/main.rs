@@ -30,7 +30,8 @@ enum Verb {
     BuildEbpf,
     /// build-ebpf, then the socklb binary and the test helpers.
     Build,
-    /// Install the test dependencies and run every test (needs root).
+    /// Install the test dependencies (Debian packages, and target/pyenv with
+    /// the Python Kubernetes client) and run every test (needs root).
     Test {
         /// Extra arguments for `cargo test`, after `--`.
         #[arg(last = true)]
@@ -119,6 +120,7 @@ fn test(cargo_args: &[String]) -> Result<()> {
         bail!("cargo xtask test loads eBPF programs and creates cgroups: run it as root");
     }
     toolchain::install_debian_packages(TEST_PACKAGES)?;
+    let python = toolchain::ensure_python_env()?;
     build_all()?;
     sweep_leftovers();
     let target = workspace_root().join("target/debug");
@@ -138,6 +140,7 @@ fn test(cargo_args: &[String]) -> Result<()> {
             .args(&test_args)
             .env("SOCKLB_BIN", target.join("socklb"))
             .env("LBCLIENT_BIN", target.join("lbclient"))
+            .env("SOCKLB_PYTHON", &python)
             .env("SOCKLB_FIGURES", &figures),
     )?;
     if let Ok(text) = std::fs::read_to_string(&figures) {

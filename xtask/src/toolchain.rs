@@ -167,18 +167,119 @@ pub fn install_debian_packages(packages: &[(&str, &str)]) -> Result<()> {
     if missing.is_empty() {
         return Ok(());
     }
-    println!("xtask: installing Debian packages: {}", missing.join(" "));
+    apt_install(&missing)
+}
+
+fn apt_install(packages: &[&str]) -> Result<()> {
+    println!("xtask: installing Debian packages: {}", packages.join(" "));
     run_checked(Command::new("apt-get").args(["update", "-q"]))
         .context("apt-get update failed; install the packages by hand")?;
     run_checked(
         Command::new("apt-get")
             .args(["install", "-y", "-q", "--no-install-recommends"])
-            .args(&missing)
+            .args(packages)
             .env("DEBIAN_FRONTEND", "noninteractive"),
     )
-    .with_context(|| format!("installing {} failed", missing.join(" ")))?;
-    println!("xtask: installed {}", missing.join(" "));
+    .with_context(|| format!("installing {} failed", packages.join(" ")))?;
+    println!("xtask: installed {}", packages.join(" "));
     Ok(())
+}
+
+/// Python packages the tests use, pinned: the official Kubernetes client
+/// (it holds the test apiserver to the real API) and a validator of
+/// Kubernetes objects against the API's schemas. Each with its module.
+const PYTHON_PACKAGES: &[(&str, &str, &str)] = &[
+    ("kubernetes", "37.0.2", "kubernetes"),
+    ("kubernetes-validate", "1.37.0", "kubernetes_validate"),
+];
+
+/// The Python environment of the tests, target/pyenv (`python3 -m venv`),
+/// with `PYTHON_PACKAGES` installed by pip unless they already import at
+/// their pinned versions. Returns its interpreter, which the tests get as
+/// `SOCKLB_PYTHON`. Fails, never skips, when pip cannot install them.
+pub fn ensure_python_env() -> Result<PathBuf> {
+    let root = workspace_root().join("target/pyenv");
+    let python = root.join("bin/python");
+    if python_has_packages(&python) {
+        return Ok(python);
+    }
+    install_debian_packages(&[("python3", "python3")])?;
+    let has_pip = || {
+        Command::new(&python)
+            .args(["-m", "pip", "--version"])
+            .output()
+            .is_ok_and(|output| output.status.success())
+    };
+    if !has_pip() {
+        // Debian's python3 makes a venv only with python3-venv (ensurepip).
+        let can_make_venv = Command::new("python3")
+            .args(["-c", "import ensurepip, venv"])
+            .output()
+            .is_ok_and(|output| output.status.success());
+        if !can_make_venv {
+            apt_install(&["python3-venv"])?;
+        }
+        let _ = std::fs::remove_dir_all(&root);
+        println!(
+            "xtask: creating the tests' Python environment {}",
+            root.display()
+        );
+        run_checked(Command::new("python3").args(["-m", "venv"]).arg(&root))
+            .with_context(|| format!("python3 -m venv {} failed", root.display()))?;
+    }
+    let requirements: Vec<String> = PYTHON_PACKAGES
+        .iter()
+        .map(|(name, version, _)| format!("{name}=={version}"))
+        .collect();
+    println!(
+        "xtask: installing Python packages: {}",
+        requirements.join(" ")
+    );
+    run_checked(
+        Command::new(&python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--disable-pip-version-check",
+                "--no-input",
+                "-q",
+            ])
+            .args(&requirements),
+    )
+    .with_context(|| {
+        format!(
+            "pip could not install {} into {}: the tests of the Kubernetes API need them \
+             (PyPI must be reachable)",
+            requirements.join(" "),
+            root.display()
+        )
+    })?;
+    if !python_has_packages(&python) {
+        bail!(
+            "{} still cannot import {} at the pinned versions after pip installed them",
+            python.display(),
+            requirements.join(" ")
+        );
+    }
+    println!("xtask: installed {}", requirements.join(" "));
+    Ok(python)
+}
+
+/// Whether `python` imports every package of `PYTHON_PACKAGES` at its
+/// pinned version.
+fn python_has_packages(python: &Path) -> bool {
+    let checks: String = PYTHON_PACKAGES
+        .iter()
+        .map(|(name, version, module)| {
+            format!("import {module}\nassert metadata.version('{name}') == '{version}'\n")
+        })
+        .collect();
+    Command::new(python)
+        .arg("-c")
+        .arg(format!("from importlib import metadata\n{checks}"))
+        .output()
+        .is_ok_and(|output| output.status.success())
 }
 
 pub fn has_command(name: &str) -> bool {

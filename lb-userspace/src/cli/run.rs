@@ -5,6 +5,7 @@ use socklb::{
     config::{self, RawBackend, RawHealth, RawService, RawStatuses},
     daemon::{self, RunOptions},
     dataplane::BpfLogLevel,
+    discovery::persist::DEFAULT_STATE_DIR,
     privileges,
 };
 
@@ -18,6 +19,7 @@ pub struct RunArgs {
         "vip", "backend", "name", "policy", "when_none_healthy", "all_netns", "close_on_failure", "health", "health_status", "health_host",
         "health_ca", "health_cert", "health_key", "health_server_name", "health_interval",
         "health_down_interval", "health_timeout", "rise", "fall", "connect_failures",
+        "k3s_state", "endpointslices", "endpointslice_port", "kubeconfig",
     ])]
     config: Option<PathBuf>,
     /// VIP that clients connect to (repeatable; IPv4 and IPv6 may share a service).
@@ -95,6 +97,35 @@ pub struct RunArgs {
     /// [default: 1].
     #[arg(long, value_name = "N")]
     connect_failures: Option<i64>,
+    /// Follow a k3s/rke2 agent load-balancer state file (for example
+    /// /var/lib/rancher/k3s/agent/etc/k3s-api-server-agent-load-balancer.json):
+    /// its servers become backends, its default server a standby when it is
+    /// not listed.
+    #[arg(long, value_name = "FILE")]
+    k3s_state: Option<PathBuf>,
+    /// Follow the EndpointSlices of a Kubernetes Service, for example
+    /// default/kubernetes (the apiservers). They rule over the state file
+    /// and the static backends, which then only seed the table.
+    #[arg(long, value_name = "NAMESPACE/SERVICE")]
+    endpointslices: Option<String>,
+    /// The EndpointSlice port name to use [default: https].
+    #[arg(long, value_name = "NAME")]
+    endpointslice_port: Option<String>,
+    /// Kubeconfig for --endpointslices (for example the kubelet's)
+    /// [default: $KUBECONFIG, ~/.kube/config, then in-cluster].
+    #[arg(long, value_name = "FILE")]
+    kubeconfig: Option<PathBuf>,
+    /// Where the last known backend set of each service is kept, for a
+    /// start while every source is unreachable.
+    #[arg(long, value_name = "DIR", default_value = DEFAULT_STATE_DIR)]
+    state_dir: PathBuf,
+    /// Serve Prometheus metrics at http://ADDR:PORT/metrics (off unless given).
+    #[arg(long, value_name = "ADDR:PORT")]
+    metrics_addr: Option<std::net::SocketAddr>,
+    /// Apply a changed --config file in place as soon as it is written (as
+    /// SIGHUP does).
+    #[arg(long, requires = "config")]
+    watch_config: bool,
     /// cgroup v2 directory to attach to [default: the root of the v2 hierarchy].
     #[arg(long, value_name = "DIR")]
     cgroup: Option<PathBuf>,
@@ -141,6 +172,10 @@ pub fn run(args: RunArgs) -> super::Outcome {
                 fall: args.fall,
                 connect_failures: args.connect_failures,
             },
+            k3s_state: args.k3s_state.clone(),
+            endpointslices: args.endpointslices.clone(),
+            endpointslice_port: args.endpointslice_port.clone(),
+            kubeconfig: args.kubeconfig.clone(),
         })?,
     };
     // After the config: a bad file is reported the same with or without
@@ -154,6 +189,9 @@ pub fn run(args: RunArgs) -> super::Outcome {
         cleanup_on_exit: args.cleanup_on_exit,
         bpf_log: args.bpf_log,
         allow_overlap: args.allow_overlap,
+        state_dir: args.state_dir,
+        metrics_addr: args.metrics_addr,
+        watch_config: args.watch_config,
     };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -1,6 +1,7 @@
 use anyhow::Context;
 use socklb::{
-    dataplane::{PinPaths, install, pins},
+    daemon::control,
+    dataplane::{PinPaths, install, lock::RunPaths, pins},
     privileges, status,
 };
 
@@ -34,7 +35,15 @@ pub fn status(args: StatusArgs) -> super::Outcome {
     let paths = PinPaths::new(&args.pin.pin_path);
     pins::check_pin_dir(&paths)?;
     let maps = install::open_pinned(&paths)?;
-    let report = status::read(&maps, &paths);
+    let mut report = status::read(&maps, &paths);
+    if report.daemon.running && !args.check {
+        // Only the daemon knows its reloads and discovery; a daemon that
+        // does not answer leaves them out.
+        let socket = RunPaths::of(&paths).control;
+        report.daemon_info = control::ask(&socket, &control::Request::Info)
+            .ok()
+            .and_then(|reply| reply.info);
+    }
     if args.check {
         let failures = report.check();
         for failure in &failures {

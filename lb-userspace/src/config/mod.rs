@@ -9,7 +9,12 @@ mod raw;
 mod service;
 mod values;
 
-use std::{fmt, net::SocketAddr, path::Path, time::Duration};
+use std::{
+    fmt,
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use raw::RawFile;
 pub use raw::{RawBackend, RawBackendTable, RawHealth, RawService, RawStatuses};
@@ -186,6 +191,34 @@ pub struct Backend {
     pub drain: bool,
 }
 
+/// Where a service learns its backends besides its static list.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Discovery {
+    /// A k3s/rke2 agent load-balancer state file (JSON), followed.
+    pub k3s_state: Option<PathBuf>,
+    /// The EndpointSlices of a Kubernetes Service, watched.
+    pub endpoint_slices: Option<SliceSource>,
+}
+
+impl Discovery {
+    pub fn is_dynamic(&self) -> bool {
+        self.k3s_state.is_some() || self.endpoint_slices.is_some()
+    }
+}
+
+/// The EndpointSlices to watch: those labelled
+/// `kubernetes.io/service-name=SERVICE` in NAMESPACE, port PORT.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SliceSource {
+    pub namespace: String,
+    pub service: String,
+    /// The port's name in the slices (`https` for `default/kubernetes`).
+    pub port: String,
+    /// None: inferred as kubectl does ($KUBECONFIG, ~/.kube/config,
+    /// in-cluster).
+    pub kubeconfig: Option<PathBuf>,
+}
+
 /// One validated service.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Service {
@@ -199,6 +232,8 @@ pub struct Service {
     /// Close the redirected connections to a backend that becomes unhealthy.
     pub close_on_failure: bool,
     pub health: HealthSettings,
+    /// Dynamic sources of backends; `backends` then only seeds the table.
+    pub discovery: Discovery,
 }
 
 /// A validated configuration: every field was checked.
@@ -263,6 +298,23 @@ pub fn validate(raw: Vec<RawService>, root: &str) -> Result<Config, ConfigError>
     }
 }
 
+/// Checks a configuration whose backends discovery replaced, against the
+/// rules a file obeys: address families, table sizes, VIPs that are
+/// backends, and the kernel maps' limits.
+pub fn check_effective(config: &Config) -> Result<(), ConfigError> {
+    let mut errors = Vec::new();
+    let services: Vec<(usize, Service)> = config.services.iter().cloned().enumerate().collect();
+    for (index, service) in &services {
+        service::check_discovered(*index, service, &mut errors);
+    }
+    check_across_services(&services, "service", &mut errors);
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(ConfigError::Invalid(errors))
+    }
+}
+
 pub(crate) fn field_error(field: impl Into<String>, problem: impl Into<String>) -> FieldError {
     FieldError {
         field: field.into(),
@@ -311,6 +363,22 @@ impl fmt::Display for Config {
                     ),
                 }
             )?;
+            if let Some(path) = &service.discovery.k3s_state {
+                writeln!(f, "  discovery: k3s state file {}", path.display())?;
+            }
+            if let Some(slices) = &service.discovery.endpoint_slices {
+                writeln!(
+                    f,
+                    "  discovery: EndpointSlices of {}/{}, port {}, kubeconfig {}",
+                    slices.namespace,
+                    slices.service,
+                    slices.port,
+                    slices
+                        .kubeconfig
+                        .as_ref()
+                        .map_or("inferred".to_string(), |path| path.display().to_string())
+                )?;
+            }
             for backend in &service.backends {
                 let role = match backend.role {
                     BackendRole::Normal => "",

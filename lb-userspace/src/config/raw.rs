@@ -31,6 +31,15 @@ pub struct RawService {
     pub close_on_failure: Option<bool>,
     #[serde(default)]
     pub health: RawHealth,
+    /// A k3s/rke2 agent load-balancer state file to follow.
+    pub k3s_state: Option<PathBuf>,
+    /// `NAMESPACE/SERVICE` whose EndpointSlices to follow.
+    pub endpointslices: Option<String>,
+    /// The EndpointSlice port name (default `https`).
+    pub endpointslice_port: Option<String>,
+    /// Kubeconfig for the EndpointSlice watch (default: inferred, as
+    /// kubectl does: $KUBECONFIG, ~/.kube/config, then in-cluster).
+    pub kubeconfig: Option<PathBuf>,
 }
 
 /// A backend: `"ADDR:PORT[,weight=N][,preferred][,standby]"` or

@@ -9,8 +9,8 @@ use crate::planner::weight_divisor;
 use lb_common::{MAX_BACKENDS, MAX_TABLES, MAX_VIPS, NAME_LEN, SLOTS_PER_LIST};
 
 use super::{
-    Backend, BackendRole, FieldError, NoneHealthyPolicy, RawService, SelectionPolicy, Service,
-    field_error,
+    Backend, BackendRole, Discovery, FieldError, NoneHealthyPolicy, RawService, SelectionPolicy,
+    Service, SliceSource, field_error,
     health::validate_health,
     values::{parse_backend, parse_endpoint},
 };
@@ -22,7 +22,10 @@ pub(super) fn validate_service(
     errors: &mut Vec<FieldError>,
 ) -> Option<Service> {
     let before = errors.len();
-    let name = raw.name.unwrap_or_else(|| format!("service{index}"));
+    let name = raw
+        .name
+        .clone()
+        .unwrap_or_else(|| format!("service{index}"));
     check_name(&name, &format!("{prefix}name"), errors);
 
     let vip_field = if prefix.is_empty() {
@@ -55,15 +58,21 @@ pub(super) fn validate_service(
                 .map(|backend| (i, backend))
         })
         .collect();
-    if raw.backends.is_empty() {
+    let discovery = validate_discovery(&raw, prefix, errors);
+    if raw.backends.is_empty() && !discovery.is_dynamic() {
         errors.push(field_error(
             &backend_field,
-            "at least one backend is required",
+            "at least one backend is required (or a discovery source: k3s-state, endpointslices)",
         ));
     }
     let addrs: Vec<SocketAddr> = indexed.iter().map(|(_, backend)| backend.addr).collect();
     report_duplicates(&addrs, &backend_field, "backend", errors);
-    check_families(&vips, &indexed, &vip_field, &backend_field, errors);
+    let fields = FamilyFields {
+        vip: &vip_field,
+        backend: &backend_field,
+        discovered: discovery.is_dynamic(),
+    };
+    check_families(&vips, &indexed, &fields, errors);
     let backends: Vec<Backend> = indexed.into_iter().map(|(_, backend)| backend).collect();
     for vip in &vips {
         if addrs.contains(vip) {
@@ -133,7 +142,116 @@ pub(super) fn validate_service(
         all_netns: raw.all_netns,
         close_on_failure: raw.close_on_failure.unwrap_or(true),
         health,
+        discovery,
     })
+}
+
+/// The rules of a file's backends, for a service whose backends discovery
+/// gave: address families, table sizes, and no VIP as a backend.
+pub(super) fn check_discovered(index: usize, service: &Service, errors: &mut Vec<FieldError>) {
+    let vip_field = format!("service[{index}].vips");
+    let backend_field = format!("service[{index}].backends (as discovered)");
+    let indexed: Vec<(usize, Backend)> = service.backends.iter().cloned().enumerate().collect();
+    let addrs: Vec<SocketAddr> = service
+        .backends
+        .iter()
+        .map(|backend| backend.addr)
+        .collect();
+    report_duplicates(&addrs, &backend_field, "backend", errors);
+    let fields = FamilyFields {
+        vip: &vip_field,
+        backend: &backend_field,
+        discovered: false,
+    };
+    check_families(&service.vips, &indexed, &fields, errors);
+    for vip in &service.vips {
+        if addrs.contains(vip) {
+            errors.push(field_error(
+                &backend_field,
+                format!("{vip} is also a VIP of the service; it would loop"),
+            ));
+        }
+    }
+}
+
+/// `k3s-state`, `endpointslices`, `endpointslice-port` and `kubeconfig`.
+fn validate_discovery(raw: &RawService, prefix: &str, errors: &mut Vec<FieldError>) -> Discovery {
+    let field = |toml: &str| {
+        if prefix.is_empty() {
+            format!("--{toml}")
+        } else {
+            format!("{prefix}{toml}")
+        }
+    };
+    let k3s_state = raw.k3s_state.clone().filter(|path| {
+        let ok = path.is_absolute();
+        if !ok {
+            errors.push(field_error(
+                field("k3s-state"),
+                format!("{} is not an absolute path", path.display()),
+            ));
+        }
+        ok
+    });
+    let port = raw.endpointslice_port.clone();
+    if let Some(port) = &port
+        && !is_dns_label(port, 15)
+    {
+        errors.push(field_error(
+            field("endpointslice-port"),
+            format!("{port:?} is not a port name (lowercase letters, digits and '-', at most 15)"),
+        ));
+    }
+    let endpoint_slices = match &raw.endpointslices {
+        None => {
+            for (value, name) in [
+                (port.is_some(), "endpointslice-port"),
+                (raw.kubeconfig.is_some(), "kubeconfig"),
+            ] {
+                if value {
+                    errors.push(field_error(field(name), "only applies with endpointslices"));
+                }
+            }
+            None
+        }
+        Some(text) => match text.split_once('/') {
+            Some((namespace, service))
+                if is_dns_label(namespace, 63) && is_dns_label(service, 63) =>
+            {
+                Some(SliceSource {
+                    namespace: namespace.to_string(),
+                    service: service.to_string(),
+                    port: port.unwrap_or_else(|| "https".to_string()),
+                    kubeconfig: raw.kubeconfig.clone(),
+                })
+            }
+            _ => {
+                errors.push(field_error(
+                    field("endpointslices"),
+                    format!(
+                        "{text:?} is not NAMESPACE/SERVICE (for example \"default/kubernetes\"; lowercase letters, digits and '-')"
+                    ),
+                ));
+                None
+            }
+        },
+    };
+    Discovery {
+        k3s_state,
+        endpoint_slices,
+    }
+}
+
+/// A Kubernetes DNS label: lowercase letters, digits and '-', not at
+/// either end, at most `max` long.
+fn is_dns_label(text: &str, max: usize) -> bool {
+    !text.is_empty()
+        && text.len() <= max
+        && text
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+        && !text.starts_with('-')
+        && !text.ends_with('-')
 }
 
 fn check_name(name: &str, field: &str, errors: &mut Vec<FieldError>) {
@@ -168,20 +286,27 @@ fn report_duplicates(addrs: &[SocketAddr], field: &str, what: &str, errors: &mut
 /// cannot reach an IPv6 address), so each VIP family needs such backends,
 /// and a backend of a family without a VIP would never be used. Each
 /// family's weights must fit one selection list.
+struct FamilyFields<'a> {
+    vip: &'a str,
+    backend: &'a str,
+    /// Backends also come from discovery: a family may have none listed.
+    discovered: bool,
+}
+
 fn check_families(
     vips: &[SocketAddr],
     backends: &[(usize, Backend)],
-    vip_field: &str,
-    backend_field: &str,
+    fields: &FamilyFields,
     errors: &mut Vec<FieldError>,
 ) {
+    let (vip_field, backend_field) = (fields.vip, fields.backend);
     for (is_v4, family) in [(true, "IPv4"), (false, "IPv6")] {
         let has_vip = vips.iter().any(|vip| vip.is_ipv4() == is_v4);
         let members: Vec<&(usize, Backend)> = backends
             .iter()
             .filter(|(_, backend)| backend.addr.is_ipv4() == is_v4)
             .collect();
-        if has_vip && members.is_empty() {
+        if has_vip && members.is_empty() && !fields.discovered {
             errors.push(field_error(
                 vip_field,
                 format!("an {family} VIP needs at least one {family} backend"),

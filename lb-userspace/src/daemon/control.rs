@@ -29,6 +29,8 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 pub enum Request {
     /// Drain a backend (or, with `undo`, take it back).
     Drain { backend: String, undo: bool },
+    /// What only the daemon knows, for `socklb status`.
+    Info,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -36,6 +38,40 @@ pub struct Reply {
     pub ok: bool,
     /// What was done, or what is wrong (naming the field).
     pub message: String,
+    /// The answer to `Info`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub info: Option<DaemonInfo>,
+}
+
+impl Reply {
+    pub fn text(ok: bool, message: impl Into<String>) -> Self {
+        Self {
+            ok,
+            message: message.into(),
+            info: None,
+        }
+    }
+}
+
+/// What `socklb status` shows from the running daemon itself.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DaemonInfo {
+    pub config_generation: u64,
+    /// The last reload (SIGHUP or a changed file), if any.
+    pub last_reload: Option<crate::daemon::ReloadStatus>,
+    /// Where each service's backends come from.
+    pub services: Vec<ServiceSourcesInfo>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ServiceSourcesInfo {
+    pub service: String,
+    /// The source the table follows ("endpointslices", "k3s-state",
+    /// "persisted", "static"), or none yet.
+    pub following: Option<String>,
+    pub backends: usize,
+    /// Each dynamic source and what it last said.
+    pub sources: Vec<(String, String)>,
 }
 
 /// A request for the event loop, with the way back to its client.
@@ -93,10 +129,7 @@ async fn handle(stream: UnixStream, requests: mpsc::Sender<Incoming>) {
                     Err(_) => return,
                 }
             }
-            Err(error) => Reply {
-                ok: false,
-                message: format!("request: {error}"),
-            },
+            Err(error) => Reply::text(false, format!("request: {error}")),
         },
         _ => return,
     };

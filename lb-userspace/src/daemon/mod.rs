@@ -7,12 +7,14 @@
 //! which feeds the owner and acts on what it returns.
 
 pub mod control;
+pub mod metrics;
 pub mod passive;
+mod reload;
 pub mod state;
 mod verify;
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, HashMap},
     net::SocketAddr,
     path::PathBuf,
     time::{Duration, Instant},
@@ -35,12 +37,18 @@ use crate::{
         lock::{self, InstallLock, RunPaths},
         pins, shadow,
     },
+    discovery::{
+        self, ServiceSources, Source, SourceEvent,
+        persist::{Persisted, StateDir},
+    },
     errors,
     health::{ProbeReport, Transition, probe::Prober, probe_loop},
     planner::{Layout, endpoint},
     sockets,
 };
+use metrics::Metrics;
 use passive::{Confirmer, evidence_words, parse_connect_failure};
+pub use reload::ReloadStatus;
 use state::{DrainOutcome, Owner};
 
 /// How often the daemon beats its heartbeat and verifies the data plane.
@@ -80,11 +88,20 @@ pub struct RunOptions {
     /// Install even when another socklb serves an overlapping VIP on a
     /// related cgroup.
     pub allow_overlap: bool,
+    /// Where the last known backend sets are kept.
+    pub state_dir: PathBuf,
+    /// Serve Prometheus metrics here.
+    pub metrics_addr: Option<SocketAddr>,
+    /// Reload when the config file changes.
+    pub watch_config: bool,
 }
 
 /// What the loop keeps per probed backend.
 struct ProbedBackend {
     addr: SocketAddr,
+    service: String,
+    /// Which loop probes it now; reports of a stopped loop are ignored.
+    loop_id: u64,
     prober: Prober,
     timeout: Duration,
     /// How a passing probe is described in a transition message.
@@ -181,17 +198,45 @@ impl Signals {
 
 /// The running daemon: the owner of state and everything it acts through.
 struct Daemon {
+    /// `options.config` is the configuration as read; `effective` is what
+    /// the tables follow (its backends replaced by discovery's).
     options: RunOptions,
+    effective: config::Config,
+    /// What each service's sources have said.
+    sources: BTreeMap<String, ServiceSources>,
+    /// Services no source has given a backend yet.
+    waiting: Vec<String>,
+    watchers: reload::Watchers,
+    discovery_tx: mpsc::Sender<SourceEvent>,
+    state_dir: Option<StateDir>,
+    /// What was last written to the state directory.
+    persisted: Option<BTreeMap<String, Persisted>>,
+    last_reload: Option<ReloadStatus>,
     paths: PinPaths,
     owner: Owner,
     running: Running,
     probed: HashMap<u32, ProbedBackend>,
+    next_loop_id: u64,
     reports_tx: mpsc::Sender<ProbeReport>,
     confirmer: Confirmer,
     record: DaemonRecord,
     verifier: verify::Verifier,
     features: Features,
+    metrics: Metrics,
+    /// Backends removed while a table write failed: their connections are
+    /// closed once the write succeeds.
+    pending_closes: Vec<SocketAddr>,
     _lock: InstallLock,
+}
+
+/// Where the loop's events come from.
+struct Inputs {
+    reports: mpsc::Receiver<ProbeReport>,
+    discovery: mpsc::Receiver<SourceEvent>,
+    config_changes: Option<mpsc::UnboundedReceiver<()>>,
+    /// Keeps the file watch alive.
+    _config_watch: Option<notify::RecommendedWatcher>,
+    refresh: mpsc::Receiver<metrics::Refresh>,
 }
 
 /// Runs the daemon until SIGTERM or SIGINT.
@@ -226,7 +271,44 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
         path: cgroup_path,
         id: cgroup_id,
     };
-    let layout = Layout::from_config(&options.config, is_local_address);
+    // Discovery's first word: the persisted sets and the state files,
+    // which are read at once; the EndpointSlices answer later.
+    let state_dir = StateDir::new(&options.state_dir);
+    let mut sources = reload::plan_sources(&options.config, &BTreeMap::new(), &options.config);
+    reload::seed_from(&state_dir, &mut sources);
+    for service in &options.config.services {
+        if let (Some(path), Some(service_sources)) =
+            (&service.discovery.k3s_state, sources.get_mut(&service.name))
+        {
+            let outcome =
+                service_sources.report(Source::K3sState, discovery::k3s::read(path).await);
+            if let Some(problem) = outcome.problem {
+                warn!("discovery: {}: {problem}", service.name);
+            }
+        }
+    }
+    for (name, service_sources) in &sources {
+        if let Some((Source::Persisted, set)) = service_sources.effective() {
+            info!(
+                "{name}: no discovery source has answered yet; using the last known set ({} backends) from {}",
+                set.len(),
+                state_dir.file().display()
+            );
+        }
+    }
+    let (effective, waiting) = discovery::effective_config(&options.config, &sources);
+    for name in &waiting {
+        warn!(
+            "{name}: no source has given a backend yet; its VIPs pass through untouched until one does"
+        );
+    }
+    config::check_effective(&effective).map_err(|error| {
+        DaemonError::Overlap(format!(
+            "the discovered backends do not fit: {}",
+            errors::chain(&error)
+        ))
+    })?;
+    let layout = Layout::from_config(&effective, is_local_address);
     if !options.allow_overlap {
         refuse_overlap(&paths, &cgroup, &layout)?;
     }
@@ -240,7 +322,7 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
         // Ids come from the pinned records, so that counters stay true
         // across restarts, upgrades and config edits.
         let known = state::known_ids(maps)?;
-        let layout = Layout::keeping(&options.config, is_local_address, &known);
+        let layout = Layout::keeping(&effective, is_local_address, &known);
         let mut owner = Owner::new(layout, settings);
         removed = owner.adopt(maps)?;
         if !owner.write(maps) {
@@ -272,7 +354,7 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
     info!(
         cgroup = %running.attachment.cgroup().path.display(),
         pin_path = %paths.dir.display(),
-        services = options.config.services.len(),
+        services = effective.services.len(),
         "{}",
         match (running.upgraded, running.adopted) {
             (true, _) => "upgraded the pinned data plane in place",
@@ -281,22 +363,67 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
         }
     );
     let (reports_tx, reports) = mpsc::channel::<ProbeReport>(1024);
+    let (discovery_tx, discovery_rx) = mpsc::channel::<SourceEvent>(256);
+    let (refresh_tx, refresh) = mpsc::channel::<metrics::Refresh>(16);
+    let metrics = Metrics::new();
+    if let Some(addr) = options.metrics_addr {
+        metrics::serve(addr, metrics.clone(), refresh_tx)
+            .await
+            .map_err(|source| DaemonError::Io {
+                what: "listening for metrics (--metrics-addr)",
+                source,
+            })?;
+    }
+    let (config_changes, config_watch) = match (&options.config_path, options.watch_config) {
+        (Some(path), true) => {
+            let (changed_tx, changed) = mpsc::unbounded_channel();
+            let watch = reload::watch_file(path, changed_tx).map_err(|error| DaemonError::Io {
+                what: "watching the configuration file (--watch-config)",
+                source: std::io::Error::other(error.to_string()),
+            })?;
+            (Some(changed), Some(watch))
+        }
+        _ => (None, None),
+    };
     let mut daemon = Daemon {
         record: DaemonRecord::default(),
+        effective,
+        sources,
+        waiting,
+        watchers: reload::Watchers::default(),
+        discovery_tx,
+        state_dir: Some(state_dir),
+        persisted: None,
+        last_reload: None,
         paths,
         owner,
         running,
         probed: HashMap::new(),
+        next_loop_id: 0,
         reports_tx,
         confirmer: Confirmer::default(),
         verifier: verify::Verifier::default(),
         features,
+        metrics,
+        pending_closes: Vec::new(),
         options,
         _lock: install_lock,
     };
     daemon.start_record();
-    daemon.start_probes()?;
-    let result = daemon.serve(reports, &mut signals).await;
+    daemon.start_probes();
+    daemon
+        .watchers
+        .follow(&daemon.options.config, &daemon.discovery_tx);
+    let sources = daemon.sources.clone();
+    daemon.persist(&sources);
+    let inputs = Inputs {
+        reports,
+        discovery: discovery_rx,
+        config_changes,
+        _config_watch: config_watch,
+        refresh,
+    };
+    let result = daemon.serve(inputs, &mut signals).await;
     daemon.stop();
     result
 }
@@ -358,39 +485,74 @@ impl Daemon {
         }
     }
 
-    fn start_probes(&mut self) -> Result<(), DaemonError> {
-        for table in &self.owner.layout().tables {
-            let prober = Prober::new(&table.health.probe).map_err(DaemonError::Probe)?;
-            for backend in &table.backends {
-                let (down, down_receiver) = watch::channel(!self.owner.is_healthy(backend.id));
-                tokio::spawn(probe_loop(
-                    backend.id,
-                    backend.addr,
-                    prober.clone(),
-                    table.health.clone(),
-                    down_receiver,
-                    self.reports_tx.clone(),
-                ));
-                self.probed.insert(
-                    backend.id,
-                    ProbedBackend {
-                        addr: backend.addr,
-                        success_words: prober.success_words(),
-                        prober: prober.clone(),
-                        timeout: table.health.timeout,
-                        down,
-                        close_on_failure: table.close_on_failure,
-                        connect_failures: table.health.connect_failures,
-                    },
-                );
-            }
+    fn start_probes(&mut self) {
+        let ids: Vec<u32> = self
+            .owner
+            .layout()
+            .backends()
+            .map(|(_, backend)| backend.id)
+            .collect();
+        for id in ids {
+            self.start_probe(id);
         }
-        Ok(())
+    }
+
+    /// Starts probing a backend of the layout (again, if it was probed).
+    fn start_probe(&mut self, id: u32) {
+        self.stop_probe(id);
+        let Some((table, backend)) = self.owner.backend(id) else {
+            return;
+        };
+        // The configuration was validated: its CA and certificate files
+        // were read then; one that has gone since is said here.
+        let prober = match Prober::new(&table.health.probe) {
+            Ok(prober) => prober,
+            Err(error) => {
+                warn!(
+                    "{}: cannot probe it: {}; it keeps its last state",
+                    backend.addr,
+                    errors::chain(&error)
+                );
+                return;
+            }
+        };
+        self.next_loop_id += 1;
+        let loop_id = self.next_loop_id;
+        let (down, down_receiver) = watch::channel(!self.owner.is_healthy(id));
+        tokio::spawn(probe_loop(
+            id,
+            loop_id,
+            backend.addr,
+            prober.clone(),
+            table.health.clone(),
+            down_receiver,
+            self.reports_tx.clone(),
+        ));
+        self.probed.insert(
+            id,
+            ProbedBackend {
+                addr: backend.addr,
+                service: table.service.clone(),
+                loop_id,
+                success_words: prober.success_words(),
+                prober,
+                timeout: table.health.timeout,
+                down,
+                close_on_failure: table.close_on_failure,
+                connect_failures: table.health.connect_failures,
+            },
+        );
+    }
+
+    /// Stops a backend's probe loop (dropping its `down` sender ends it).
+    fn stop_probe(&mut self, id: u32) {
+        self.probed.remove(&id);
+        self.confirmer.finished(id);
     }
 
     async fn serve(
         &mut self,
-        mut reports: mpsc::Receiver<ProbeReport>,
+        mut inputs: Inputs,
         signals: &mut Signals,
     ) -> Result<(), DaemonError> {
         let mut connect_failures = readable(
@@ -422,7 +584,25 @@ impl Daemon {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
-                Some(report) = reports.recv() => self.on_probe(report),
+                Some(report) = inputs.reports.recv() => self.on_probe(report),
+                Some(event) = inputs.discovery.recv() => self.on_discovery(event),
+                Some(()) = async {
+                    match inputs.config_changes.as_mut() {
+                        Some(changes) => changes.recv().await,
+                        None => std::future::pending().await,
+                    }
+                } => {
+                    // Let a burst of events (truncate, write, rename) end.
+                    tokio::time::sleep(reload::SETTLE).await;
+                    if let Some(changes) = inputs.config_changes.as_mut() {
+                        while changes.try_recv().is_ok() {}
+                    }
+                    self.reload("config file changed");
+                }
+                Some(done) = inputs.refresh.recv() => {
+                    self.metrics.set_snapshot(crate::status::read(&self.running.maps, &self.paths));
+                    let _ = done.send(());
+                }
                 Some(mut guard) = async {
                     match connect_failures.as_mut() {
                         Some(ring) => ring.readable_mut().await.ok(),
@@ -448,7 +628,7 @@ impl Daemon {
                 }
                 _ = signals.terminate.recv() => { info!("SIGTERM"); break; }
                 _ = signals.interrupt.recv() => { info!("SIGINT"); break; }
-                _ = signals.hangup.recv() => self.on_hangup(),
+                _ = signals.hangup.recv() => self.reload("SIGHUP"),
                 Some(mut guard) = async {
                     match kernel_logs.as_mut() {
                         Some(logs) => logs.readable_mut().await.ok(),
@@ -468,6 +648,15 @@ impl Daemon {
         let Some(backend) = self.probed.get(&report.backend_id) else {
             return;
         };
+        if backend.loop_id != report.loop_id {
+            return;
+        }
+        self.metrics.probe(
+            &backend.service,
+            backend.addr,
+            report.outcome.is_ok(),
+            report.took,
+        );
         if report.confirming {
             let answered = self.confirmer.finished(report.backend_id).describe();
             if let Err(failure) = &report.outcome {
@@ -500,6 +689,8 @@ impl Daemon {
             return;
         };
         if let Some(transition) = &transition {
+            self.metrics
+                .transition(&backend.service, backend.addr, transition.healthy);
             let message = transition.message(backend.addr);
             if transition.healthy {
                 info!("{message}");
@@ -554,14 +745,18 @@ impl Daemon {
             return;
         }
         let (prober, addr, timeout) = (backend.prober.clone(), backend.addr, backend.timeout);
+        let loop_id = backend.loop_id;
         let reports = self.reports_tx.clone();
         let backend_id = record.backend_id;
         tokio::spawn(async move {
+            let started = Instant::now();
             let outcome = prober.probe(addr, timeout).await;
             let _ = reports
                 .send(ProbeReport {
                     backend_id,
+                    loop_id,
                     outcome,
+                    took: started.elapsed(),
                     confirming: true,
                 })
                 .await;
@@ -569,67 +764,67 @@ impl Daemon {
     }
 
     fn on_request(&mut self, request: control::Request) -> control::Reply {
-        let control::Request::Drain { backend, undo } = request;
+        use control::Reply;
+        let (backend, undo) = match request {
+            control::Request::Drain { backend, undo } => (backend, undo),
+            control::Request::Info => {
+                return Reply {
+                    info: Some(self.info()),
+                    ..Reply::text(true, "")
+                };
+            }
+        };
         let addr: SocketAddr = match backend.parse() {
             Ok(addr) => addr,
             Err(_) => {
-                return control::Reply {
-                    ok: false,
-                    message: format!("BACKEND: {backend:?} is not ADDR:PORT (IPv6 as [ADDR]:PORT)"),
-                };
+                return Reply::text(
+                    false,
+                    format!("BACKEND: {backend:?} is not ADDR:PORT (IPv6 as [ADDR]:PORT)"),
+                );
             }
         };
         let outcome = match self.owner.request_drain(addr, !undo) {
             Ok(outcome) => outcome,
-            Err(error) => {
-                return control::Reply {
-                    ok: false,
-                    message: format!("BACKEND: {error}"),
-                };
-            }
+            Err(error) => return Reply::text(false, format!("BACKEND: {error}")),
         };
         let message = match outcome {
-            DrainOutcome::Unchanged(text) => {
-                return control::Reply {
-                    ok: true,
-                    message: text,
-                };
-            }
+            DrainOutcome::Unchanged(text) => return Reply::text(true, text),
             DrainOutcome::Draining => {
                 format!("{addr}: draining; no new connections, existing ones stay")
             }
             DrainOutcome::Resumed => format!("{addr}: no longer draining"),
         };
         if self.owner.write(&mut self.running.maps) {
-            control::Reply { ok: true, message }
+            Reply::text(true, message)
         } else {
-            control::Reply {
-                ok: true,
-                message: format!("{message} (the write failed and is retried within a second)"),
-            }
+            Reply::text(
+                true,
+                format!("{message} (the write failed and is retried within a second)"),
+            )
         }
     }
 
-    /// SIGHUP: read the configuration again. Until live reload exists, a
-    /// change is reported and the running configuration stays.
-    fn on_hangup(&mut self) {
-        let Some(path) = self.options.config_path.clone() else {
-            info!("SIGHUP: the configuration came from flags; nothing to read again");
-            return;
-        };
-        match config::load_file(&path) {
-            Err(error) => warn!(
-                "SIGHUP: {} is not valid; the running configuration stays: {}",
-                path.display(),
-                errors::chain(&error)
-            ),
-            Ok(config) if config == self.options.config => {
-                info!("SIGHUP: {} is unchanged", path.display())
-            }
-            Ok(_) => warn!(
-                "SIGHUP: {} changed, but live reload is not supported yet; restart socklb to apply it (the running configuration stays)",
-                path.display()
-            ),
+    fn info(&self) -> control::DaemonInfo {
+        control::DaemonInfo {
+            config_generation: self.record.config_generation,
+            last_reload: self.last_reload.clone(),
+            services: self
+                .sources
+                .iter()
+                .map(|(name, sources)| {
+                    let effective = sources.effective();
+                    control::ServiceSourcesInfo {
+                        service: name.clone(),
+                        following: effective.map(|(source, _)| source.as_str().to_string()),
+                        backends: effective.map_or(0, |(_, set)| set.len()),
+                        sources: sources
+                            .states()
+                            .into_iter()
+                            .map(|(source, state)| (source.as_str().to_string(), state))
+                            .collect(),
+                    }
+                })
+                .collect(),
         }
     }
 
@@ -637,6 +832,11 @@ impl Daemon {
         let repairs = self
             .verifier
             .pass(&self.paths, &mut self.running, &mut self.owner);
+        if !self.owner.is_dirty() && !self.pending_closes.is_empty() {
+            for addr in std::mem::take(&mut self.pending_closes) {
+                close_connections(&self.running.maps, addr);
+            }
+        }
         if repairs.is_empty() {
             return;
         }

@@ -57,6 +57,23 @@ pub enum DrainOutcome {
     Unchanged(String),
 }
 
+/// What a new layout changed, for the event loop to act on.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Reconfigured {
+    /// Probe loops to stop: backends gone, or whose id or health settings
+    /// changed.
+    pub unprobe: Vec<u32>,
+    /// Probe loops to start: backends added, or whose id or health
+    /// settings changed.
+    pub probe: Vec<u32>,
+    /// Addresses no service lists any more, and whether their service
+    /// closes the connections of a backend that leaves.
+    pub removed: Vec<(SocketAddr, bool)>,
+    /// Backends added to a service that already ran (they wait for a
+    /// passed probe).
+    pub added: Vec<SocketAddr>,
+}
+
 /// A drain request that cannot be done.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{addr} is not a backend of any service (backends: {known})")]
@@ -147,6 +164,74 @@ impl Owner {
         self.requested_drains = written.drains.clone();
         self.update_draining();
         Ok(removed)
+    }
+
+    /// Follows a new layout (a reloaded configuration, or a changed set of
+    /// discovered backends). A backend that stays, by service and address,
+    /// keeps its health (under the new rise and fall). One added to a
+    /// service that already ran waits for its first passed probe; the
+    /// backends of a new service are assumed healthy until probed, as at
+    /// start, so that no service starts by refusing traffic.
+    pub fn reconfigure(&mut self, layout: Layout) -> Reconfigured {
+        let old = std::mem::replace(&mut self.layout, layout);
+        let old_backends: HashMap<(&str, SocketAddr), (&TableLayout, &BackendLayout)> = old
+            .backends()
+            .map(|(table, backend)| ((table.service.as_str(), backend.addr), (table, backend)))
+            .collect();
+        let old_services: HashSet<&str> = old
+            .tables
+            .iter()
+            .map(|table| table.service.as_str())
+            .collect();
+        let mut changes = Reconfigured::default();
+        let mut trackers = HashMap::new();
+        for (table, backend) in self.layout.backends() {
+            match old_backends.get(&(table.service.as_str(), backend.addr)) {
+                Some((old_table, old_backend)) => {
+                    let tracker = self.trackers.get(&old_backend.id).map_or_else(
+                        || HealthTracker::unknown(&table.health),
+                        |tracker| tracker.with_settings(&table.health),
+                    );
+                    trackers.insert(backend.id, tracker);
+                    if old_backend.id != backend.id || old_table.health != table.health {
+                        changes.unprobe.push(old_backend.id);
+                        changes.probe.push(backend.id);
+                    }
+                }
+                None if old_services.contains(table.service.as_str()) => {
+                    trackers.insert(backend.id, HealthTracker::pending(&table.health));
+                    changes.probe.push(backend.id);
+                    changes.added.push(backend.addr);
+                }
+                None => {
+                    trackers.insert(backend.id, HealthTracker::unknown(&table.health));
+                    changes.probe.push(backend.id);
+                }
+            }
+        }
+        let kept: HashSet<(&str, SocketAddr)> = self
+            .layout
+            .backends()
+            .map(|(table, backend)| (table.service.as_str(), backend.addr))
+            .collect();
+        let still_listed: HashSet<SocketAddr> = self
+            .layout
+            .backends()
+            .map(|(_, backend)| backend.addr)
+            .collect();
+        for ((service, addr), (table, backend)) in &old_backends {
+            if kept.contains(&(*service, *addr)) {
+                continue;
+            }
+            changes.unprobe.push(backend.id);
+            if !still_listed.contains(addr) && !changes.removed.iter().any(|(a, _)| a == addr) {
+                changes.removed.push((*addr, table.close_on_failure));
+            }
+        }
+        changes.removed.sort();
+        self.trackers = trackers;
+        self.update_draining();
+        changes
     }
 
     pub fn layout(&self) -> &Layout {

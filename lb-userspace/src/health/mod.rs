@@ -70,6 +70,26 @@ impl HealthTracker {
         }
     }
 
+    /// A backend added to a running service: it takes no connections until
+    /// its first probe passes.
+    pub fn pending(settings: &HealthSettings) -> Self {
+        Self {
+            healthy: false,
+            ..Self::unknown(settings)
+        }
+    }
+
+    /// The same state under new rise/fall settings (a reloaded
+    /// configuration); a streak under way starts again.
+    pub fn with_settings(&self, settings: &HealthSettings) -> Self {
+        Self {
+            rise: settings.rise,
+            fall: settings.fall,
+            streak: 0,
+            ..self.clone()
+        }
+    }
+
     /// A backend whose state is known, for example from the pinned maps of
     /// a previous daemon. Normal rise/fall applies from the start.
     pub fn known(settings: &HealthSettings, healthy: bool) -> Self {
@@ -164,7 +184,12 @@ pub fn jittered(base: Duration, rng: &mut impl Rng) -> Duration {
 #[derive(Debug)]
 pub struct ProbeReport {
     pub backend_id: u32,
+    /// The probe loop that sent it: a report of a loop that was stopped
+    /// (its backend removed or reconfigured) is ignored.
+    pub loop_id: u64,
     pub outcome: Result<(), ProbeFailure>,
+    /// How long the probe took.
+    pub took: Duration,
     /// Run to confirm failed connects the kernel saw, not on the schedule.
     pub confirming: bool,
 }
@@ -177,6 +202,7 @@ pub struct ProbeReport {
 /// current wait.
 pub async fn probe_loop(
     backend_id: u32,
+    loop_id: u64,
     addr: SocketAddr,
     prober: Prober,
     settings: HealthSettings,
@@ -196,7 +222,9 @@ pub async fn probe_loop(
         if reports
             .send(ProbeReport {
                 backend_id,
+                loop_id,
                 outcome,
+                took: started.elapsed(),
                 confirming: false,
             })
             .await

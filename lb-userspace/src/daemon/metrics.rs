@@ -1,0 +1,400 @@
+//! Prometheus metrics at `--metrics-addr` (`GET /metrics`), with
+//! prometheus-client.
+//!
+//! What the kernel counts (live connections, redirects, failed connects,
+//! connects with no healthy backend, repairs) is encoded on each scrape
+//! from the same [`StatusReport`] that `socklb status` prints, read by the
+//! event loop when the scrape asks for it, so the two always agree. What
+//! only the daemon sees (transitions, probe durations, reloads, discovery
+//! updates) is counted where it happens.
+
+use std::{
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use http_body_util::Full;
+use hyper::{Request, Response, StatusCode, body::Bytes, service::service_fn};
+use hyper_util::rt::TokioIo;
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeMetric},
+    metrics::{
+        counter::{ConstCounter, Counter},
+        family::Family,
+        gauge::{ConstGauge, Gauge},
+        histogram::{Histogram, exponential_buckets},
+    },
+    registry::Registry,
+};
+use tokio::sync::{Semaphore, mpsc, oneshot};
+use tracing::{info, warn};
+
+use crate::status::StatusReport;
+
+type Labels = Vec<(String, String)>;
+
+/// Connections the endpoint serves at once; more wait.
+const MAX_CONNECTIONS: usize = 8;
+/// How long one connection may take, request and answer.
+const CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a scrape waits for the loop's fresh reading.
+const REFRESH_TIMEOUT: Duration = Duration::from_secs(2);
+
+fn labels(pairs: &[(&str, &str)]) -> Labels {
+    pairs
+        .iter()
+        .map(|(key, value)| (key.to_string(), value.to_string()))
+        .collect()
+}
+
+fn probe_histogram() -> Histogram {
+    // 1 ms to about 16 s.
+    Histogram::new(exponential_buckets(0.001, 2.0, 15))
+}
+
+/// The daemon's counters, shared with the HTTP endpoint (each is atomic).
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Arc<Registry>,
+    snapshot: Arc<Mutex<Option<StatusReport>>>,
+    transitions: Family<Labels, Counter>,
+    probe_duration: Family<Labels, Histogram, fn() -> Histogram>,
+    reloads: Family<Labels, Counter>,
+    discovery_updates: Family<Labels, Counter>,
+    discovery_problems: Family<Labels, Counter>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let snapshot = Arc::new(Mutex::new(None));
+        let transitions = Family::<Labels, Counter>::default();
+        let probe_duration =
+            Family::<Labels, Histogram, fn() -> Histogram>::new_with_constructor(probe_histogram);
+        let reloads = Family::<Labels, Counter>::default();
+        let discovery_updates = Family::<Labels, Counter>::default();
+        let discovery_problems = Family::<Labels, Counter>::default();
+        let build_info = Family::<Labels, Gauge>::default();
+        build_info
+            .get_or_create(&labels(&[("version", env!("CARGO_PKG_VERSION"))]))
+            .set(1);
+        registry.register(
+            "socklb_build_info",
+            "socklb's version (always 1)",
+            build_info,
+        );
+        registry.register(
+            "socklb_backend_transitions",
+            "Health transitions of a backend, by the state it went to",
+            transitions.clone(),
+        );
+        registry.register(
+            "socklb_probe_duration_seconds",
+            "Time a health probe took, by result (ok or failed)",
+            probe_duration.clone(),
+        );
+        registry.register(
+            "socklb_config_reloads",
+            "Configuration reloads (SIGHUP or --watch-config), by result",
+            reloads.clone(),
+        );
+        registry.register(
+            "socklb_discovery_updates",
+            "Changes of a service's backend set applied, by the source they came from",
+            discovery_updates.clone(),
+        );
+        registry.register(
+            "socklb_discovery_problems",
+            "Reports of a discovery source that failed or listed no backend; the last known set stayed",
+            discovery_problems.clone(),
+        );
+        registry.register_collector(Box::new(KernelCollector {
+            snapshot: snapshot.clone(),
+        }));
+        Self {
+            registry: Arc::new(registry),
+            snapshot,
+            transitions,
+            probe_duration,
+            reloads,
+            discovery_updates,
+            discovery_problems,
+        }
+    }
+
+    pub fn transition(&self, service: &str, backend: SocketAddr, healthy: bool) {
+        let to = if healthy { "healthy" } else { "unhealthy" };
+        self.transitions
+            .get_or_create(&labels(&[
+                ("service", service),
+                ("backend", &backend.to_string()),
+                ("to", to),
+            ]))
+            .inc();
+    }
+
+    pub fn probe(&self, service: &str, backend: SocketAddr, passed: bool, took: Duration) {
+        let result = if passed { "ok" } else { "failed" };
+        self.probe_duration
+            .get_or_create(&labels(&[
+                ("service", service),
+                ("backend", &backend.to_string()),
+                ("result", result),
+            ]))
+            .observe(took.as_secs_f64());
+    }
+
+    pub fn reload(&self, result: &str) {
+        self.reloads
+            .get_or_create(&labels(&[("result", result)]))
+            .inc();
+    }
+
+    pub fn discovery_update(&self, service: &str, source: &str) {
+        self.discovery_updates
+            .get_or_create(&labels(&[("service", service), ("source", source)]))
+            .inc();
+    }
+
+    pub fn discovery_problem(&self, service: &str, source: &str) {
+        self.discovery_problems
+            .get_or_create(&labels(&[("service", service), ("source", source)]))
+            .inc();
+    }
+
+    /// Keeps the status the next scrapes encode.
+    pub fn set_snapshot(&self, report: StatusReport) {
+        if let Ok(mut snapshot) = self.snapshot.lock() {
+            *snapshot = Some(report);
+        }
+    }
+
+    /// The text exposition of every metric.
+    pub fn encode(&self) -> String {
+        let mut text = String::new();
+        if let Err(error) = prometheus_client::encoding::text::encode(&mut text, &self.registry) {
+            warn!("encoding the metrics failed: {error}");
+        }
+        text
+    }
+}
+
+/// Encodes what the kernel counts from the last status snapshot.
+#[derive(Debug)]
+struct KernelCollector {
+    snapshot: Arc<Mutex<Option<StatusReport>>>,
+}
+
+/// One metric family from the snapshot: name, help, and (labels, value).
+fn encode_family<M: EncodeMetric>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    samples: Vec<(Labels, M)>,
+) -> Result<(), std::fmt::Error> {
+    let Some((_, first)) = samples.first() else {
+        return Ok(());
+    };
+    let mut family = encoder.encode_descriptor(name, help, None, first.metric_type())?;
+    for (labels, metric) in &samples {
+        metric.encode(family.encode_family(labels)?)?;
+    }
+    Ok(())
+}
+
+impl Collector for KernelCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Ok(snapshot) = self.snapshot.lock() else {
+            return Ok(());
+        };
+        let Some(report) = snapshot.as_ref() else {
+            return Ok(());
+        };
+        let backend_labels =
+            |service: &str, backend: &str| labels(&[("service", service), ("backend", backend)]);
+        let per_backend = |value: &dyn Fn(&crate::status::BackendStatus) -> i64| {
+            report
+                .services
+                .iter()
+                .flat_map(|service| {
+                    service.backends.iter().map(|backend| {
+                        (
+                            backend_labels(&service.name, &backend.addr),
+                            ConstGauge::new(value(backend)),
+                        )
+                    })
+                })
+                .collect::<Vec<_>>()
+        };
+        let per_backend_counter = |value: &dyn Fn(&crate::status::BackendStatus) -> u64| {
+            report
+                .services
+                .iter()
+                .flat_map(|service| {
+                    service.backends.iter().map(|backend| {
+                        (
+                            backend_labels(&service.name, &backend.addr),
+                            ConstCounter::new(value(backend)),
+                        )
+                    })
+                })
+                .collect::<Vec<_>>()
+        };
+        encode_family(
+            &mut encoder,
+            "socklb_backend_healthy",
+            "1 while the backend is healthy (its probes pass), else 0",
+            per_backend(&|backend| i64::from(backend.healthy)),
+        )?;
+        encode_family(
+            &mut encoder,
+            "socklb_backend_live_connections",
+            "Established connections socklb sent to the backend that are open now",
+            per_backend(&|backend| backend.live),
+        )?;
+        encode_family(
+            &mut encoder,
+            "socklb_backend_redirects",
+            "Connects socklb redirected to the backend",
+            per_backend_counter(&|backend| backend.redirects),
+        )?;
+        encode_family(
+            &mut encoder,
+            "socklb_backend_failed_connects",
+            "Redirected connects that failed on the server side (a reset, or the SYN unanswered)",
+            per_backend_counter(&|backend| backend.failed_connects),
+        )?;
+        let per_service = |value: &dyn Fn(&crate::status::ServiceStatus) -> u64| {
+            report
+                .services
+                .iter()
+                .map(|service| {
+                    (
+                        labels(&[("service", &service.name)]),
+                        ConstCounter::new(value(service)),
+                    )
+                })
+                .collect::<Vec<_>>()
+        };
+        encode_family(
+            &mut encoder,
+            "socklb_service_none_healthy",
+            "Connects to the service's VIPs that found no healthy backend",
+            per_service(&|service| service.none_healthy),
+        )?;
+        encode_family(
+            &mut encoder,
+            "socklb_service_rejected",
+            "Of those, connects refused by the reject policy",
+            per_service(&|service| service.rejected),
+        )?;
+        encode_family(
+            &mut encoder,
+            "socklb_dataplane_repairs",
+            "Repairs of the kernel state that socklb found changed, by kind",
+            report
+                .data_plane
+                .repairs_by_kind
+                .iter()
+                .map(|(kind, count)| (labels(&[("kind", kind)]), ConstCounter::new(*count)))
+                .collect(),
+        )?;
+        Ok(())
+    }
+}
+
+/// A scrape's request for a fresh reading, answered by the event loop.
+pub type Refresh = oneshot::Sender<()>;
+
+/// Serves `GET /metrics` on `addr` until the process ends. Each scrape
+/// first asks the event loop (through `refresh`) to read the kernel's
+/// counters; if the loop does not answer in time, the last reading is
+/// served.
+pub async fn serve(
+    addr: SocketAddr,
+    metrics: Metrics,
+    refresh: mpsc::Sender<Refresh>,
+) -> std::io::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    info!("metrics at http://{addr}/metrics");
+    let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    tokio::spawn(async move {
+        loop {
+            let Ok(permit) = permits.clone().acquire_owned().await else {
+                return;
+            };
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            let metrics = metrics.clone();
+            let refresh = refresh.clone();
+            tokio::spawn(async move {
+                let service = service_fn(move |request: Request<hyper::body::Incoming>| {
+                    answer(request, metrics.clone(), refresh.clone())
+                });
+                let connection = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service);
+                let _ = tokio::time::timeout(CONNECTION_TIMEOUT, connection).await;
+                drop(permit);
+            });
+        }
+    });
+    Ok(())
+}
+
+async fn answer(
+    request: Request<hyper::body::Incoming>,
+    metrics: Metrics,
+    refresh: mpsc::Sender<Refresh>,
+) -> Result<Response<Full<Bytes>>, std::convert::Infallible> {
+    let reply = |status: StatusCode, content_type: &str, body: String| {
+        let mut response = Response::new(Full::new(Bytes::from(body)));
+        *response.status_mut() = status;
+        if let Ok(value) = content_type.parse() {
+            response
+                .headers_mut()
+                .insert(hyper::header::CONTENT_TYPE, value);
+        }
+        Ok(response)
+    };
+    if request.method() != hyper::Method::GET {
+        return reply(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "text/plain",
+            "GET only\n".into(),
+        );
+    }
+    match request.uri().path() {
+        "/metrics" => {
+            let (done, fresh) = oneshot::channel();
+            if refresh.send(done).await.is_ok() {
+                let _ = tokio::time::timeout(REFRESH_TIMEOUT, fresh).await;
+            }
+            reply(
+                StatusCode::OK,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                metrics.encode(),
+            )
+        }
+        "/" => reply(
+            StatusCode::OK,
+            "text/plain",
+            "socklb: metrics at /metrics\n".into(),
+        ),
+        _ => reply(StatusCode::NOT_FOUND, "text/plain", "not found\n".into()),
+    }
+}

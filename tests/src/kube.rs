@@ -1,0 +1,716 @@
+//! A test Kubernetes apiserver under guard: [`KubeApi`] runs the `kubeapi`
+//! binary (EndpointSlices of `discovery.k8s.io/v1` over TLS with client
+//! certificates, see its documentation) and drives it through its admin
+//! API. The admin API's types live here, and the binary shares them.
+//!
+//! ```no_run
+//! use socklb_tests::kube::{KubeApi, SliceSpec};
+//! let api = KubeApi::start();
+//! let version = api.put_slice(
+//!     "default",
+//!     "kubernetes",
+//!     &SliceSpec::new("kubernetes", "IPv4")
+//!         .with_port("https", 6443)
+//!         .with_endpoint("127.0.0.2", true),
+//! );
+//! // A daemon under test reads api.kubeconfig() and watches the slice.
+//! api.wait_stats("a watch", std::time::Duration::from_secs(10), |stats| {
+//!     stats.watches_open == 1
+//! });
+//! # let _ = version;
+//! ```
+
+use std::{
+    collections::BTreeMap,
+    io::{Read, Write},
+    net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use rustls::{ClientConfig, ClientConnection, RootCertStore, StreamOwned};
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName, pem::PemObject};
+use serde::{Deserialize, Serialize};
+
+/// The label that ties an EndpointSlice to its Service.
+pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+
+/// Files the server writes in its directory.
+pub mod files {
+    pub const CA: &str = "ca.pem";
+    pub const CA_KEY: &str = "ca-key.pem";
+    pub const SERVER_CERT: &str = "server.pem";
+    pub const SERVER_KEY: &str = "server-key.pem";
+    pub const CLIENT_CERT: &str = "client.pem";
+    pub const CLIENT_KEY: &str = "client-key.pem";
+    pub const KUBECONFIG: &str = "kubeconfig";
+    /// The slices and the resource version, kept across a restart.
+    pub const STATE: &str = "state.json";
+    /// Written last, once the server listens; removed when it stops.
+    pub const READY: &str = "ready";
+}
+
+/// Body of the admin API's `PUT /slices/{namespace}/{name}`: what an
+/// EndpointSlice says, without the metadata the server assigns.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SliceSpec {
+    /// Value of the `kubernetes.io/service-name` label.
+    pub service: String,
+    /// `IPv4`, `IPv6` or `FQDN`.
+    #[serde(default = "default_address_type")]
+    pub address_type: String,
+    #[serde(default)]
+    pub ports: Vec<SlicePort>,
+    #[serde(default)]
+    pub endpoints: Vec<SliceEndpoint>,
+    /// Labels besides the service name and managed-by ones.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+}
+
+fn default_address_type() -> String {
+    "IPv4".to_string()
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SlicePort {
+    /// The Service port's name; empty for an unnamed port, as the
+    /// EndpointSlice controller writes it.
+    #[serde(default)]
+    pub name: String,
+    pub port: u16,
+    #[serde(default = "default_protocol")]
+    pub protocol: String,
+}
+
+fn default_protocol() -> String {
+    "TCP".to_string()
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SliceEndpoint {
+    pub addresses: Vec<String>,
+    #[serde(default = "default_true")]
+    pub ready: bool,
+    /// Defaults to `ready`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serving: Option<bool>,
+    #[serde(default)]
+    pub terminating: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_name: Option<String>,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+impl SliceSpec {
+    /// A slice of `service` with no port and no endpoint yet.
+    pub fn new(service: &str, address_type: &str) -> Self {
+        Self {
+            service: service.to_string(),
+            address_type: address_type.to_string(),
+            ports: Vec::new(),
+            endpoints: Vec::new(),
+            labels: BTreeMap::new(),
+        }
+    }
+
+    /// Adds a TCP port.
+    pub fn with_port(mut self, name: &str, port: u16) -> Self {
+        self.ports.push(SlicePort {
+            name: name.to_string(),
+            port,
+            protocol: default_protocol(),
+        });
+        self
+    }
+
+    /// Adds an endpoint with one address (serving as it is ready, not
+    /// terminating).
+    pub fn with_endpoint(mut self, address: &str, ready: bool) -> Self {
+        self.endpoints.push(SliceEndpoint {
+            addresses: vec![address.to_string()],
+            ready,
+            serving: None,
+            terminating: false,
+            node_name: None,
+        });
+        self
+    }
+}
+
+/// The admin API's `GET /stats`: counters since the server started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KubeApiStats {
+    /// List requests answered (not watches, not gets).
+    pub lists: u64,
+    /// Watch streams started.
+    pub watches: u64,
+    /// Watch streams open now.
+    pub watches_open: u64,
+    /// ERROR events with code 410 (a watch from a version no longer kept).
+    pub gone_sent: u64,
+    pub bookmarks_sent: u64,
+    /// ADDED, MODIFIED and DELETED events written to watch streams.
+    pub events_sent: u64,
+    /// TLS handshakes that failed (no client certificate, a wrong CA).
+    pub handshake_failures: u64,
+    /// The current global resource version.
+    pub resource_version: u64,
+}
+
+/// What the admin API answers to a change of a slice.
+#[derive(Debug, Clone, Deserialize)]
+pub struct SliceChange {
+    /// `ADDED`, `MODIFIED`, `DELETED`, or `UNCHANGED` (a PUT that changed
+    /// nothing, which, as in Kubernetes, makes no event).
+    pub event: String,
+    pub resource_version: u64,
+    /// The EndpointSlice as the API serves it.
+    pub object: serde_json::Value,
+}
+
+/// The interpreter of the Python environment with the official
+/// `kubernetes` client and `kubernetes-validate`: `$SOCKLB_PYTHON`, which
+/// `cargo xtask test` sets after it creates target/pyenv.
+pub fn python() -> PathBuf {
+    let Some(path) = std::env::var_os("SOCKLB_PYTHON") else {
+        panic!(
+            "SOCKLB_PYTHON is not set: `cargo xtask test` creates target/pyenv with the Python \
+             kubernetes client and sets it; by hand, run `python3 -m venv target/pyenv`, pip-install \
+             the versions pinned in xtask/src/toolchain.rs, and set SOCKLB_PYTHON=target/pyenv/bin/python"
+        )
+    };
+    let path = PathBuf::from(path);
+    assert!(
+        path.exists(),
+        "SOCKLB_PYTHON={} does not exist",
+        path.display()
+    );
+    path
+}
+
+/// The kubeapi binary: beside lbclient when `LBCLIENT_BIN` is set (cargo
+/// xtask test), else in target/<profile>/ beside the running test.
+pub fn kubeapi_bin() -> PathBuf {
+    let candidate = match std::env::var_os("LBCLIENT_BIN") {
+        Some(lbclient) => PathBuf::from(lbclient).with_file_name("kubeapi"),
+        None => std::env::current_exe()
+            .expect("current executable")
+            .parent()
+            .and_then(Path::parent)
+            .expect("target/<profile>/deps")
+            .join("kubeapi"),
+    };
+    assert!(
+        candidate.exists(),
+        "{} is missing: build it with `cargo build -p socklb-tests --bins`, or run `cargo xtask test`",
+        candidate.display()
+    );
+    candidate
+}
+
+/// How to start a [`KubeApi`]; `Default` is a server on 127.0.0.1 with
+/// its own CA.
+#[derive(Debug, Clone, Default)]
+pub struct KubeApiOptions {
+    /// The API's address (a free port is picked); 127.0.0.1 by default.
+    pub ip: Option<IpAddr>,
+    /// `server:` of the kubeconfig, for a client that reaches the server
+    /// through a VIP (its host also goes in the server certificate).
+    pub kubeconfig_server: Option<String>,
+    /// Interval of BOOKMARK events (the server's default is 1 s).
+    pub bookmark_interval: Option<Duration>,
+    /// Another server's directory whose CA and client certificate this one
+    /// reuses, so that one kubeconfig works with both.
+    pub share_pki_with: Option<PathBuf>,
+}
+
+/// A running `kubeapi` process with a temporary directory; on drop it is
+/// killed (by its PID) and the directory removed. Its log is printed when
+/// the test panics.
+pub struct KubeApi {
+    /// The API's address (TLS).
+    pub addr: SocketAddr,
+    /// The admin API's address (plain HTTP on loopback).
+    pub admin: SocketAddr,
+    dir: PathBuf,
+    args: Vec<String>,
+    child: Option<Child>,
+}
+
+/// How long the server may take to write `ready`.
+const START_LIMIT: Duration = Duration::from_secs(20);
+
+/// Read and write timeout of one admin or API request.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
+impl KubeApi {
+    /// A server on 127.0.0.1 with its own CA.
+    pub fn start() -> Self {
+        Self::start_with(&KubeApiOptions::default())
+    }
+
+    pub fn start_with(options: &KubeApiOptions) -> Self {
+        let ip = options.ip.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+        let addr = SocketAddr::new(ip, free_port_on(ip));
+        let admin = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), crate::free_port());
+        let dir = std::env::temp_dir().join(crate::unique_name("kubeapi"));
+        std::fs::create_dir(&dir)
+            .unwrap_or_else(|error| panic!("creating {}: {error}", dir.display()));
+        if let Some(other) = &options.share_pki_with {
+            for name in [
+                files::CA,
+                files::CA_KEY,
+                files::CLIENT_CERT,
+                files::CLIENT_KEY,
+            ] {
+                std::fs::copy(other.join(name), dir.join(name)).unwrap_or_else(|error| {
+                    panic!("copying {name} from {}: {error}", other.display())
+                });
+            }
+        }
+        let mut args = vec![
+            "--listen".to_string(),
+            addr.to_string(),
+            "--admin".into(),
+            admin.to_string(),
+            "--dir".into(),
+            dir.display().to_string(),
+            // An orphan (a test killed with SIGKILL) ends by itself.
+            "--max-seconds".into(),
+            "3600".into(),
+        ];
+        if let Some(server) = &options.kubeconfig_server {
+            args.extend(["--kubeconfig-server".to_string(), server.clone()]);
+        }
+        if let Some(interval) = options.bookmark_interval {
+            args.extend([
+                "--bookmark-interval-ms".to_string(),
+                interval.as_millis().to_string(),
+            ]);
+        }
+        let mut api = Self {
+            addr,
+            admin,
+            dir,
+            args,
+            child: None,
+        };
+        api.resume();
+        api
+    }
+
+    /// The server's directory (certificates, kubeconfig, log).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// A kubeconfig with the server, its CA and a client certificate
+    /// (CN `system:node:test`, O `system:nodes`).
+    pub fn kubeconfig(&self) -> PathBuf {
+        self.dir.join(files::KUBECONFIG)
+    }
+
+    /// `https://ADDR`.
+    pub fn url(&self) -> String {
+        format!("https://{}", self.addr)
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.join("kubeapi.log")
+    }
+
+    /// The server's output so far (one line per request).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.log_path()).unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// SIGKILL, and reap: the API stops answering, open watches break.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same addresses and directory (same
+    /// CA, kubeconfig, slices and resource version; its watch history is
+    /// gone, as after a real apiserver's restart), and waits until it
+    /// listens.
+    pub fn resume(&mut self) {
+        if self.child.is_some() {
+            return;
+        }
+        let ready = self.dir.join(files::READY);
+        let _ = std::fs::remove_file(&ready);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path())
+            .expect("kubeapi log file");
+        let child = Command::new(kubeapi_bin())
+            .args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log fd"))
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|error| panic!("starting kubeapi: {error}"));
+        self.child = Some(child);
+        let deadline = Instant::now() + START_LIMIT;
+        while !ready.exists() {
+            if let Some(status) = self
+                .child
+                .as_mut()
+                .and_then(|child| child.try_wait().ok().flatten())
+            {
+                self.child = None;
+                panic!(
+                    "kubeapi exited ({status}) before it was ready:\n{}",
+                    self.log()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "kubeapi not ready after {START_LIMIT:?}:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// `stop`, then `resume`.
+    pub fn restart(&mut self) {
+        self.stop();
+        self.resume();
+    }
+
+    /// Creates or replaces a slice; returns what changed (the event that
+    /// watches see, and the new resource version).
+    pub fn put_slice(&self, namespace: &str, name: &str, spec: &SliceSpec) -> SliceChange {
+        let body = serde_json::to_string(spec).expect("slice JSON");
+        let change = self.admin_json("PUT", &format!("/slices/{namespace}/{name}"), Some(&body));
+        serde_json::from_value(change).expect("the admin API's answer to PUT")
+    }
+
+    /// Deletes a slice (a DELETED event); panics if there is none.
+    pub fn delete_slice(&self, namespace: &str, name: &str) -> SliceChange {
+        let change = self.admin_json("DELETE", &format!("/slices/{namespace}/{name}"), None);
+        serde_json::from_value(change).expect("the admin API's answer to DELETE")
+    }
+
+    /// Drops the whole event history: a watch from an older resource
+    /// version gets an ERROR event with code 410. Returns the current
+    /// resource version (the oldest a watch can still resume from).
+    pub fn compact(&self) -> u64 {
+        self.admin_json("POST", "/compact", None)["resource_version"]
+            .as_u64()
+            .expect("resource_version")
+    }
+
+    /// Ends every open watch stream; returns how many there were.
+    pub fn close_watches(&self) -> u64 {
+        self.admin_json("POST", "/close-watches", None)["closed"]
+            .as_u64()
+            .expect("closed")
+    }
+
+    pub fn stats(&self) -> KubeApiStats {
+        serde_json::from_value(self.admin_json("GET", "/stats", None)).expect("stats")
+    }
+
+    /// Polls the stats until `ready` holds, at most `limit`; panics with
+    /// the server's log otherwise.
+    pub fn wait_stats(
+        &self,
+        what: &str,
+        limit: Duration,
+        ready: impl Fn(&KubeApiStats) -> bool,
+    ) -> KubeApiStats {
+        let deadline = Instant::now() + limit;
+        loop {
+            let stats = self.stats();
+            if ready(&stats) {
+                return stats;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out after {limit:?} waiting for {what}; stats {stats:?}\nlog:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// One admin request; panics unless it answers 200 with JSON.
+    fn admin_json(&self, method: &str, path: &str, body: Option<&str>) -> serde_json::Value {
+        let mut stream =
+            TcpStream::connect_timeout(&self.admin, REQUEST_TIMEOUT).unwrap_or_else(|error| {
+                panic!("connecting to kubeapi's admin API {}: {error}", self.admin)
+            });
+        let response = http_exchange(&mut stream, method, path, &self.admin.to_string(), body)
+            .unwrap_or_else(|error| panic!("kubeapi admin {method} {path}: {error}"));
+        assert_eq!(
+            response.status,
+            200,
+            "kubeapi admin {method} {path}: {}\nlog:\n{}",
+            String::from_utf8_lossy(&response.body),
+            self.log()
+        );
+        response.json()
+    }
+
+    /// TLS settings of a client that trusts this server's CA, with the
+    /// kubeconfig's client certificate or without one.
+    pub fn client_config(&self, with_client_certificate: bool) -> Arc<ClientConfig> {
+        let mut roots = RootCertStore::empty();
+        for certificate in CertificateDer::pem_file_iter(self.dir.join(files::CA))
+            .expect("ca.pem")
+            .flatten()
+        {
+            roots.add(certificate).expect("the CA certificate");
+        }
+        let builder =
+            ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+                .with_safe_default_protocol_versions()
+                .expect("protocol versions")
+                .with_root_certificates(roots);
+        let config = if with_client_certificate {
+            let chain = CertificateDer::pem_file_iter(self.dir.join(files::CLIENT_CERT))
+                .expect("client.pem")
+                .collect::<Result<Vec<_>, _>>()
+                .expect("client certificate");
+            let key = PrivateKeyDer::from_pem_file(self.dir.join(files::CLIENT_KEY))
+                .expect("client-key.pem");
+            builder
+                .with_client_auth_cert(chain, key)
+                .expect("client certificate and key")
+        } else {
+            builder.with_no_client_auth()
+        };
+        Arc::new(config)
+    }
+
+    /// `GET PATH_AND_QUERY` on the API with the client certificate; reads
+    /// the whole answer (a watch until the server ends it, so give it
+    /// `timeoutSeconds`).
+    pub fn get(&self, path_and_query: &str) -> std::io::Result<ApiResponse> {
+        self.get_with(self.client_config(true), path_and_query)
+    }
+
+    /// Like `get`, with other TLS settings.
+    pub fn get_with(
+        &self,
+        config: Arc<ClientConfig>,
+        path_and_query: &str,
+    ) -> std::io::Result<ApiResponse> {
+        let name = ServerName::IpAddress(self.addr.ip().into());
+        let connection = ClientConnection::new(config, name).map_err(std::io::Error::other)?;
+        let socket = TcpStream::connect_timeout(&self.addr, REQUEST_TIMEOUT)?;
+        let mut tls = StreamOwned::new(connection, socket);
+        http_exchange(
+            &mut tls,
+            "GET",
+            path_and_query,
+            &self.addr.to_string(),
+            None,
+        )
+    }
+}
+
+impl Drop for KubeApi {
+    fn drop(&mut self) {
+        self.stop();
+        if std::thread::panicking() {
+            eprintln!(
+                "kubeapi log ({}):\n{}",
+                self.log_path().display(),
+                self.log()
+            );
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn free_port_on(ip: IpAddr) -> u16 {
+    let listener = TcpListener::bind((ip, 0))
+        .unwrap_or_else(|error| panic!("binding an ephemeral port on {ip}: {error}"));
+    listener.local_addr().expect("local address").port()
+}
+
+/// An HTTP/1.1 answer, its body de-chunked.
+#[derive(Debug, Clone)]
+pub struct ApiResponse {
+    pub status: u16,
+    /// Header names in lower case.
+    pub headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl ApiResponse {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(key, _)| key.eq_ignore_ascii_case(name))
+            .map(|(_, value)| value.as_str())
+    }
+
+    /// The body as one JSON value; panics with the body otherwise.
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|error| {
+            panic!(
+                "not JSON ({error}): {}",
+                String::from_utf8_lossy(&self.body)
+            )
+        })
+    }
+
+    /// The body as newline-delimited JSON (the events of a watch).
+    pub fn json_lines(&self) -> Vec<serde_json::Value> {
+        String::from_utf8_lossy(&self.body)
+            .lines()
+            .filter(|line| !line.trim().is_empty())
+            .map(|line| {
+                serde_json::from_str(line)
+                    .unwrap_or_else(|error| panic!("watch line {line:?}: {error}"))
+            })
+            .collect()
+    }
+}
+
+/// Largest answer read: a watch of a test is a few kilobytes.
+const MAX_RESPONSE_BYTES: usize = 16 << 20;
+
+/// Sends one request with `Connection: close` and reads the answer to
+/// the end of the connection.
+fn http_exchange<S: Read + Write>(
+    stream: &mut S,
+    method: &str,
+    path: &str,
+    host: &str,
+    body: Option<&str>,
+) -> std::io::Result<ApiResponse> {
+    let body = body.unwrap_or_default();
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nhost: {host}\r\naccept: application/json\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes())?;
+    stream.flush()?;
+    let mut raw = Vec::new();
+    let mut buffer = [0u8; 16 * 1024];
+    let started = Instant::now();
+    loop {
+        match stream.read(&mut buffer) {
+            Ok(0) => break,
+            Ok(read) => raw.extend_from_slice(&buffer[..read]),
+            // A TLS peer that closes without close_notify.
+            Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof && !raw.is_empty() => {
+                break;
+            }
+            Err(error) => return Err(error),
+        }
+        if raw.len() > MAX_RESPONSE_BYTES || started.elapsed() > Duration::from_secs(600) {
+            return Err(std::io::Error::other("answer too long"));
+        }
+    }
+    parse_response(&raw)
+}
+
+fn parse_response(raw: &[u8]) -> std::io::Result<ApiResponse> {
+    let invalid =
+        |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string());
+    let end = raw
+        .windows(4)
+        .position(|window| window == b"\r\n\r\n")
+        .ok_or_else(|| invalid("no end of headers"))?;
+    let head = String::from_utf8_lossy(&raw[..end]);
+    let mut lines = head.split("\r\n");
+    let status = lines
+        .next()
+        .and_then(|line| line.split_whitespace().nth(1))
+        .and_then(|code| code.parse().ok())
+        .ok_or_else(|| invalid("no status line"))?;
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|line| line.split_once(':'))
+        .map(|(key, value)| (key.trim().to_ascii_lowercase(), value.trim().to_string()))
+        .collect();
+    let rest = &raw[end + 4..];
+    let chunked = headers
+        .iter()
+        .any(|(key, value)| key == "transfer-encoding" && value.eq_ignore_ascii_case("chunked"));
+    let body = if chunked {
+        dechunk(rest).ok_or_else(|| invalid("bad chunked body"))?
+    } else {
+        rest.to_vec()
+    };
+    Ok(ApiResponse {
+        status,
+        headers,
+        body,
+    })
+}
+
+/// The data of a chunked body; `None` if it is cut short.
+fn dechunk(mut rest: &[u8]) -> Option<Vec<u8>> {
+    let mut body = Vec::new();
+    // Each round consumes one chunk, so the count of rounds is bounded by
+    // the length of the input.
+    for _ in 0..=rest.len() {
+        let line_end = rest.windows(2).position(|window| window == b"\r\n")?;
+        let size_text = String::from_utf8_lossy(&rest[..line_end]);
+        let size = usize::from_str_radix(size_text.split(';').next()?.trim(), 16).ok()?;
+        rest = &rest[line_end + 2..];
+        if size == 0 {
+            return Some(body);
+        }
+        body.extend_from_slice(rest.get(..size)?);
+        rest = rest.get(size + 2..)?;
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dechunks_a_body_and_refuses_a_cut_one() {
+        let raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2;x=y\r\nde\r\n0\r\n\r\n";
+        let response = parse_response(raw).unwrap();
+        assert_eq!(response.status, 200);
+        assert_eq!(response.body, b"abcde");
+        assert!(
+            parse_response(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nab")
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn a_slice_spec_reads_the_documented_body() {
+        let spec: SliceSpec = serde_json::from_str(
+            r#"{"service": "kubernetes", "address_type": "IPv4",
+                "ports": [{"name": "https", "port": 6443}],
+                "endpoints": [{"addresses": ["198.18.0.2"], "ready": true}]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            spec,
+            SliceSpec::new("kubernetes", "IPv4")
+                .with_port("https", 6443)
+                .with_endpoint("198.18.0.2", true)
+        );
+    }
+}

@@ -261,7 +261,17 @@ impl KubeApi {
     pub fn start_with(options: &KubeApiOptions) -> Self {
         let ip = options.ip.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
         let addr = SocketAddr::new(ip, free_port_on(ip));
-        let admin = SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), crate::free_port());
+        // The admin API on the API's address when that is loopback (a
+        // restart binds both again; see `resume`), else on 127.0.0.1.
+        let admin_ip = if ip.is_loopback() {
+            ip
+        } else {
+            IpAddr::V4(Ipv4Addr::LOCALHOST)
+        };
+        let admin = (0..10)
+            .map(|_| SocketAddr::new(admin_ip, free_port_on(admin_ip)))
+            .find(|admin| *admin != addr)
+            .expect("a second free port");
         let dir = std::env::temp_dir().join(crate::unique_name("kubeapi"));
         std::fs::create_dir(&dir)
             .unwrap_or_else(|error| panic!("creating {}: {error}", dir.display()));

@@ -21,6 +21,8 @@ use std::{
     time::{Duration, Instant},
 };
 
+use std::os::unix::{ffi::OsStringExt, process::CommandExt};
+
 use serde::Deserialize;
 
 /// Raises the soft open-files limit to the hard one (helpers that hold
@@ -150,11 +152,21 @@ impl Backend {
 
     /// Listens on a given address (used by the demo, and to restart).
     pub fn start_at(name: &str, addr: SocketAddr) -> Self {
+        Self::start_at_with(name, addr, false)
+    }
+
+    /// Like `start_at`, keeping every accepted connection open (see
+    /// `start_holding`).
+    pub fn start_holding_at(name: &str, addr: SocketAddr) -> Self {
+        Self::start_at_with(name, addr, true)
+    }
+
+    fn start_at_with(name: &str, addr: SocketAddr, hold: bool) -> Self {
         let mut backend = Self {
             name: name.to_string(),
             addr,
             running: None,
-            held: None,
+            held: hold.then(Arc::default),
             http: false,
             http_requests: Arc::default(),
         };
@@ -492,9 +504,23 @@ pub struct Daemon {
     pub env: Vec<(String, String)>,
     child: Option<Child>,
     log_path: PathBuf,
+    /// A cgroup the daemon process itself runs in (see `start_inside`).
+    inside: Option<PathBuf>,
 }
 
 impl Daemon {
+    /// Like `start`, with the daemon process itself in `cgroup` from its
+    /// first instruction, so that its own connects to a VIP go through
+    /// the hook it installs (a node whose apiserver is reachable only
+    /// through socklb).
+    pub fn start_inside(label: &str, args: &[String], cgroup: &Path) -> Self {
+        let pin_path = PathBuf::from("/sys/fs/bpf").join(unique_name(label));
+        let mut daemon = Self::prepare(label, args, pin_path, &[]);
+        daemon.inside = Some(cgroup.to_path_buf());
+        daemon.spawn();
+        daemon
+    }
+
     /// Starts `socklb run ARGS --pin-path <unique>`. `args` must hold
     /// `--cgroup` with a test's child cgroup.
     pub fn start(label: &str, args: &[String]) -> Self {
@@ -515,13 +541,19 @@ impl Daemon {
         pin_path: PathBuf,
         env: &[(&str, &str)],
     ) -> Self {
+        let mut daemon = Self::prepare(label, args, pin_path, env);
+        daemon.spawn();
+        daemon
+    }
+
+    fn prepare(label: &str, args: &[String], pin_path: PathBuf, env: &[(&str, &str)]) -> Self {
         assert!(
             args.iter().any(|arg| arg == "--cgroup"),
             "a test daemon must attach to a child cgroup"
         );
         let all_args = run_args(args, &pin_path);
         let log_path = std::env::temp_dir().join(format!("{}.log", unique_name(label)));
-        let mut daemon = Self {
+        Self {
             pin_path,
             args: all_args,
             env: env
@@ -530,9 +562,8 @@ impl Daemon {
                 .collect(),
             child: None,
             log_path,
-        };
-        daemon.spawn();
-        daemon
+            inside: None,
+        }
     }
 
     fn spawn(&mut self) {
@@ -541,7 +572,29 @@ impl Daemon {
             .append(true)
             .open(&self.log_path)
             .expect("daemon log file");
-        let child = Command::new(socklb_bin())
+        let mut command = Command::new(socklb_bin());
+        if let Some(cgroup) = &self.inside {
+            let procs =
+                std::ffi::CString::new(cgroup.join("cgroup.procs").into_os_string().into_vec())
+                    .expect("a cgroup path without NUL");
+            // SAFETY: between fork and exec the closure calls only
+            // async-signal-safe functions (open, write, close) on memory
+            // prepared before the fork.
+            unsafe {
+                command.pre_exec(move || {
+                    let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                    if fd < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    // "0" moves the writing process: the child, before exec.
+                    let written = libc::write(fd, b"0".as_ptr().cast(), 1);
+                    let error = std::io::Error::last_os_error();
+                    libc::close(fd);
+                    if written == 1 { Ok(()) } else { Err(error) }
+                });
+            }
+        }
+        let child = command
             .args(&self.args)
             .envs(self.env.iter().map(|(key, value)| (key, value)))
             .stdin(Stdio::null())

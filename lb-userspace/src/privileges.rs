@@ -9,11 +9,16 @@ use std::fmt;
 pub enum Capability {
     /// Load programs, create and read maps.
     Bpf,
-    /// Attach to cgroup hooks, close sockets over sock_diag.
+    /// Attach to cgroup hooks, query their program lists, close sockets
+    /// over sock_diag.
     NetAdmin,
-    /// Look up kernel objects by id, mount bpffs.
-    SysAdmin,
 }
+
+// CAP_SYS_ADMIN is not needed. With it, socklb finds other installs that
+// would overlap its VIPs among every link of the machine (by id), and reads
+// the program behind an adopted link; without it, it finds them through
+// their pins under /sys/fs/bpf, and switches an adopted link to its own
+// program unconditionally (atomically, with BPF_LINK_UPDATE).
 
 impl Capability {
     /// The bit of the capability in `/proc/self/status`.
@@ -21,7 +26,6 @@ impl Capability {
         match self {
             Self::Bpf => 39,
             Self::NetAdmin => 12,
-            Self::SysAdmin => 21,
         }
     }
 
@@ -29,13 +33,12 @@ impl Capability {
         match self {
             Self::Bpf => "CAP_BPF",
             Self::NetAdmin => "CAP_NET_ADMIN",
-            Self::SysAdmin => "CAP_SYS_ADMIN",
         }
     }
 }
 
 /// Everything `run`, `uninstall` and `drain` need.
-pub const ALL: [Capability; 3] = [Capability::Bpf, Capability::NetAdmin, Capability::SysAdmin];
+pub const ALL: [Capability; 2] = [Capability::Bpf, Capability::NetAdmin];
 /// What reading the pinned maps needs (`status`).
 pub const READ: [Capability; 1] = [Capability::Bpf];
 
@@ -118,11 +121,11 @@ mod tests {
         let error = MissingPrivileges {
             command: "run",
             needed: ALL.to_vec(),
-            missing: vec![Capability::Bpf, Capability::SysAdmin],
+            missing: vec![Capability::NetAdmin],
         };
         assert_eq!(
             error.to_string(),
-            "socklb run needs root, or CAP_BPF, CAP_NET_ADMIN and CAP_SYS_ADMIN (this process lacks CAP_BPF and CAP_SYS_ADMIN)"
+            "socklb run needs root, or CAP_BPF and CAP_NET_ADMIN (this process lacks CAP_NET_ADMIN)"
         );
     }
 }

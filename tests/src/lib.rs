@@ -506,9 +506,26 @@ pub struct Daemon {
     log_path: PathBuf,
     /// A cgroup the daemon process itself runs in (see `start_inside`).
     inside: Option<PathBuf>,
+    /// A command that runs socklb (see `start_launched`).
+    launcher: Vec<String>,
 }
 
 impl Daemon {
+    /// Like `start_with`, with socklb run by a launcher command (for
+    /// example `setpriv` with a user and capabilities), on a given pin path.
+    pub fn start_launched(
+        label: &str,
+        args: &[String],
+        pin_path: PathBuf,
+        launcher: &[String],
+        env: &[(&str, &str)],
+    ) -> Self {
+        let mut daemon = Self::prepare(label, args, pin_path, env);
+        daemon.launcher = launcher.to_vec();
+        daemon.spawn();
+        daemon
+    }
+
     /// Like `start`, with the daemon process itself in `cgroup` from its
     /// first instruction, so that its own connects to a VIP go through
     /// the hook it installs (a node whose apiserver is reachable only
@@ -563,6 +580,7 @@ impl Daemon {
             child: None,
             log_path,
             inside: None,
+            launcher: Vec::new(),
         }
     }
 
@@ -572,7 +590,14 @@ impl Daemon {
             .append(true)
             .open(&self.log_path)
             .expect("daemon log file");
-        let mut command = Command::new(socklb_bin());
+        let mut command = match self.launcher.split_first() {
+            Some((program, launcher_args)) => {
+                let mut command = Command::new(program);
+                command.args(launcher_args).arg(socklb_bin());
+                command
+            }
+            None => Command::new(socklb_bin()),
+        };
         if let Some(cgroup) = &self.inside {
             let procs =
                 std::ffi::CString::new(cgroup.join("cgroup.procs").into_os_string().into_vec())

@@ -561,3 +561,70 @@ fn metrics_agree_with_status() {
         samples.len()
     ));
 }
+
+/// Publishes a version of `socklb.toml` in `dir` as the kubelet does for a
+/// ConfigMap volume: a new hidden directory, the `..data` symlink swapped
+/// to it by a rename, and `socklb.toml` a symlink through `..data` that
+/// itself never changes.
+fn publish_configmap(dir: &Path, version: u32, text: &str) {
+    let data = format!("..v{version}");
+    std::fs::create_dir(dir.join(&data)).expect("the version's directory");
+    std::fs::write(dir.join(&data).join("socklb.toml"), text).expect("the version's file");
+    let temporary = dir.join("..data_tmp");
+    std::os::unix::fs::symlink(&data, &temporary).expect("..data_tmp");
+    std::fs::rename(&temporary, dir.join("..data")).expect("the swap of ..data");
+    let file = dir.join("socklb.toml");
+    if std::fs::symlink_metadata(&file).is_err() {
+        std::os::unix::fs::symlink("..data/socklb.toml", &file).expect("socklb.toml");
+    }
+    if version > 1 {
+        let _ = std::fs::remove_dir_all(dir.join(format!("..v{}", version - 1)));
+    }
+}
+
+#[test]
+fn a_configmap_volume_update_is_applied() {
+    require_root();
+    let cgroup = Cgroup::new("configmap");
+    let b0 = Backend::start("b0", "127.0.0.2");
+    let b1 = Backend::start("b1", "127.0.0.3");
+    let vip = vip();
+    let dir = TempDir::new("configmap");
+    publish_configmap(&dir.0, 1, &service_toml(vip, &[(b0.addr, 1)], "tcp"));
+    let args: Vec<String> = [
+        "--config",
+        &dir.0.join("socklb.toml").display().to_string(),
+        "--watch-config",
+        "--cgroup",
+        &cgroup.path.display().to_string(),
+    ]
+    .iter()
+    .map(ToString::to_string)
+    .collect();
+    let mut daemon = Daemon::start("configmap", &args);
+    daemon.wait_health(&[b0.addr], true, Duration::from_secs(10));
+
+    let written = Instant::now();
+    publish_configmap(
+        &dir.0,
+        2,
+        &service_toml(vip, &[(b0.addr, 1), (b1.addr, 1)], "tcp"),
+    );
+    daemon.wait_for(
+        "b1 from the new ConfigMap version",
+        Duration::from_secs(10),
+        |status| listed(status, b1.addr),
+    );
+    let applied = written.elapsed();
+    daemon.wait_health(&[b0.addr, b1.addr], true, Duration::from_secs(10));
+    let served = spread(&ClientRun::new(vip, Some(&cgroup.path), 40).run());
+    assert!(!served.contains_key("error"), "{served:?}");
+    assert_eq!(
+        daemon.status().unwrap()["daemon_info"]["last_reload"]["ok"],
+        true
+    );
+    record_figures(&format!(
+        "reload: a ConfigMap volume update (the ..data swap) applied after {} ms",
+        applied.as_millis()
+    ));
+}

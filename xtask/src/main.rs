@@ -113,6 +113,10 @@ const TEST_PACKAGES: &[(&str, &str)] = &[
     ("iptables", "iptables"),
     ("etcd-server", "etcd"),
     ("etcd-client", "etcdctl"),
+    // deploy.rs: setpriv runs socklb with exactly the DaemonSet's
+    // capabilities; systemd-analyze verifies the unit file.
+    ("util-linux", "setpriv"),
+    ("systemd", "systemd-analyze"),
 ];
 
 fn test(cargo_args: &[String]) -> Result<()> {

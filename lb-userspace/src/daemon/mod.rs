@@ -442,10 +442,16 @@ fn refuse_overlap(
         .iter()
         .flat_map(|table| table.vips.iter().map(endpoint))
         .collect();
-    let others = shadow::overlapping(paths, cgroup, &vips).map_err(|source| DaemonError::Io {
-        what: "looking for other socklb installs (needs CAP_SYS_ADMIN)",
-        source,
-    })?;
+    let (others, search) =
+        shadow::overlapping(paths, cgroup, &vips).map_err(|source| DaemonError::Io {
+            what: "looking for other socklb installs",
+            source,
+        })?;
+    if search == shadow::Search::PinnedLinks {
+        info!(
+            "without CAP_SYS_ADMIN, other socklb installs are looked for through their pins under /sys/fs/bpf only"
+        );
+    }
     if others.is_empty() {
         return Ok(());
     }
@@ -560,6 +566,8 @@ impl Daemon {
                 .map_err(|error| error.to_string()),
             "failed connects seen by the kernel will not be acted on",
         );
+        // aya-log finds the log map through the program's id, which needs
+        // CAP_SYS_ADMIN; without it the kernel's (debug) logs stay unread.
         let logging_program = self
             .running
             .ebpf
@@ -569,7 +577,15 @@ impl Daemon {
         let mut kernel_logs = readable(
             logging_program
                 .ok_or_else(|| "no program id".to_string())
-                .and_then(|id| aya_log::EbpfLogger::init_from_id(id).map_err(|e| e.to_string())),
+                .and_then(|id| {
+                    aya_log::EbpfLogger::init_from_id(id).map_err(|error| match error {
+                        aya_log::Error::ProgramNotFound => {
+                            "the log map is found by program id, which needs CAP_SYS_ADMIN"
+                                .to_string()
+                        }
+                        other => other.to_string(),
+                    })
+                }),
             "kernel program logs will not be forwarded",
         );
         let (control_tx, mut control) = mpsc::channel(16);

@@ -158,12 +158,15 @@ pub(super) fn watch_file(
         .unwrap_or(Path::new("."))
         .to_path_buf();
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+        // The file itself, or `..data`: a Kubernetes ConfigMap volume
+        // swaps that symlink to publish a new version, and the file (a
+        // symlink into it) never changes itself.
         let ours = event.as_ref().map_or(true, |event| {
             discovery::is_content_change(event)
-                && event
-                    .paths
-                    .iter()
-                    .any(|path| path.file_name() == name.as_deref())
+                && event.paths.iter().any(|path| {
+                    let file = path.file_name();
+                    file == name.as_deref() || file.is_some_and(|file| file == "..data")
+                })
         });
         if ours {
             let _ = changed.send(());

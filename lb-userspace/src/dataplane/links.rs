@@ -208,6 +208,9 @@ impl Attachment {
             };
             let ours = object::program_fd(ebpf, program)?;
             let our_tag = sys::prog_info(ours.as_fd()).map(|info| info.tag).ok();
+            // Without CAP_SYS_ADMIN the program behind the link cannot be
+            // read: the link is switched to ours, which is atomic and safe
+            // when they are the same.
             let current = sys::prog_fd_by_id(info.prog_id)
                 .and_then(|fd| sys::prog_info(fd.as_fd()))
                 .ok();

@@ -22,8 +22,20 @@ use std::{
 
 use super::{KernelError, PinPaths};
 
-/// Where socklb keeps its lock files and control sockets.
+/// Where socklb keeps its lock files and control sockets, unless
+/// `SOCKLB_RUN_DIR` names another directory (a daemon that runs as a user
+/// other than root keeps them in a directory of its own).
 pub const RUN_DIR: &str = "/run/socklb";
+
+/// The environment variable that overrides [`RUN_DIR`].
+pub const RUN_DIR_ENV: &str = "SOCKLB_RUN_DIR";
+
+/// [`RUN_DIR`], or the directory `SOCKLB_RUN_DIR` names.
+pub fn run_dir() -> PathBuf {
+    std::env::var_os(RUN_DIR_ENV)
+        .filter(|dir| !dir.is_empty())
+        .map_or_else(|| PathBuf::from(RUN_DIR), PathBuf::from)
+}
 
 /// The file name that stands for a pin directory: its path with `/` as `-`
 /// and `-` as `\x2d`, as systemd escapes paths, so that two pin
@@ -51,7 +63,7 @@ pub struct RunPaths {
 impl RunPaths {
     pub fn of(paths: &PinPaths) -> Self {
         let name = escaped(&paths.dir);
-        let dir = Path::new(RUN_DIR);
+        let dir = run_dir();
         Self {
             lock: dir.join(format!("{name}.lock")),
             control: dir.join(format!("{name}.sock")),
@@ -75,7 +87,8 @@ pub enum Holder {
 }
 
 fn prepare_run_dir() -> Result<(), KernelError> {
-    let dir = Path::new(RUN_DIR);
+    let dir = run_dir();
+    let dir = dir.as_path();
     let io_error = |source| KernelError::Io {
         path: dir.to_path_buf(),
         source,

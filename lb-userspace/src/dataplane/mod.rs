@@ -90,7 +90,9 @@ pub enum KernelError {
         "--pin-path {0} is not on a bpf file system; mount one there (mount -t bpf bpf DIR) or choose a directory under /sys/fs/bpf"
     )]
     NotBpffs(PathBuf),
-    #[error("mounting bpffs on {path}")]
+    #[error(
+        "mounting bpffs on {path} (it is not mounted; that needs CAP_SYS_ADMIN, or mount it first)"
+    )]
     Mount {
         path: PathBuf,
         #[source]

@@ -151,28 +151,25 @@ fn vips_of_program(program_id: u32) -> Vec<Endpoint> {
     Vec::new()
 }
 
-/// Other socklb installs that serve one of `vips` on a related cgroup.
-/// Links pinned under `ours` are this install's own and are skipped.
-pub fn overlapping(
-    ours: &PinPaths,
-    cgroup: &CgroupTarget,
-    vips: &[Endpoint],
-) -> std::io::Result<Vec<OtherInstall>> {
-    let own_links: HashSet<u32> = ours
-        .links()
-        .filter_map(|(_, path)| sys::open_pinned(&path).ok())
-        .filter_map(|fd| sys::link_info(fd.as_fd()).ok())
-        .map(|info| info.id)
-        .collect();
-    let ancestors = ancestor_ids(&cgroup.path);
-    let wanted: HashSet<Endpoint> = vips.iter().copied().collect();
+/// A connect link of another install: its id, where it attaches, and the
+/// VIPs its SERVICES map holds.
+struct ConnectLink {
+    id: u32,
+    cgroup_id: u64,
+    pin_dir: Option<PathBuf>,
+    vips: Vec<Endpoint>,
+}
+
+/// Every socklb connect link of the machine, found by id. Needs
+/// CAP_SYS_ADMIN (the kernel's GET_NEXT_ID and GET_FD_BY_ID).
+fn links_by_id(own: &HashSet<u32>) -> std::io::Result<Vec<ConnectLink>> {
     let connect_hooks = [
         bpf_attach_type::BPF_CGROUP_INET4_CONNECT as u32,
         bpf_attach_type::BPF_CGROUP_INET6_CONNECT as u32,
     ];
-    let mut others: Vec<OtherInstall> = Vec::new();
+    let mut links = Vec::new();
     for link_id in sys::link_ids()? {
-        if own_links.contains(&link_id) {
+        if own.contains(&link_id) {
             continue;
         }
         let Ok(info) = sys::link_fd_by_id(link_id).and_then(|fd| sys::link_info(fd.as_fd())) else {
@@ -190,16 +187,114 @@ pub fn overlapping(
         if !is_socklb {
             continue;
         }
-        let relation = if info.cgroup_id == cgroup.id {
+        links.push(ConnectLink {
+            id: link_id,
+            cgroup_id: info.cgroup_id,
+            pin_dir: None,
+            vips: vips_of_program(info.prog_id),
+        });
+    }
+    Ok(links)
+}
+
+/// The socklb connect links pinned under /sys/fs/bpf (a bounded walk),
+/// with the VIPs of the SERVICES map pinned beside them. Needs only
+/// CAP_BPF; an install whose pins this process cannot open is not seen.
+fn links_by_pin(own: &HashSet<u32>) -> Vec<ConnectLink> {
+    let mut links = Vec::new();
+    let mut pending = vec![(PathBuf::from("/sys/fs/bpf"), 0)];
+    let mut visited = 0;
+    while let Some((dir, depth)) = pending.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            visited += 1;
+            if visited > 20_000 {
+                return links;
+            }
+            let path = entry.path();
+            if entry.file_type().is_ok_and(|kind| kind.is_dir()) {
+                if depth < 4 {
+                    pending.push((path, depth + 1));
+                }
+                continue;
+            }
+            let is_connect_link = entry
+                .file_name()
+                .to_str()
+                .is_some_and(|name| name.starts_with("link_socklb_connect"));
+            if !is_connect_link {
+                continue;
+            }
+            let Ok(info) = sys::open_pinned(&path).and_then(|fd| sys::link_info(fd.as_fd())) else {
+                continue;
+            };
+            if own.contains(&info.id) || info.cgroup_id == 0 {
+                continue;
+            }
+            let services = PinPaths::new(&dir).map(names::SERVICES);
+            let vips = sys::open_pinned(&services)
+                .and_then(|fd| sys::lookup_batch::<Endpoint, ServiceEntry>(fd.as_fd(), None, 4096))
+                .map(|entries| entries.into_iter().map(|(vip, _)| vip).collect())
+                .unwrap_or_default();
+            links.push(ConnectLink {
+                id: info.id,
+                cgroup_id: info.cgroup_id,
+                pin_dir: Some(dir.clone()),
+                vips,
+            });
+        }
+    }
+    links
+}
+
+/// How [`overlapping`] looked for other installs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Search {
+    /// Every link of the machine, by id (with CAP_SYS_ADMIN).
+    AllLinks,
+    /// Only links pinned under /sys/fs/bpf that this process can open
+    /// (without CAP_SYS_ADMIN).
+    PinnedLinks,
+}
+
+/// Other socklb installs that serve one of `vips` on a related cgroup,
+/// and how they were looked for. Links pinned under `ours` are this
+/// install's own and are skipped.
+pub fn overlapping(
+    ours: &PinPaths,
+    cgroup: &CgroupTarget,
+    vips: &[Endpoint],
+) -> std::io::Result<(Vec<OtherInstall>, Search)> {
+    let own_links: HashSet<u32> = ours
+        .links()
+        .filter_map(|(_, path)| sys::open_pinned(&path).ok())
+        .filter_map(|fd| sys::link_info(fd.as_fd()).ok())
+        .map(|info| info.id)
+        .collect();
+    let (links, search) = match links_by_id(&own_links) {
+        Ok(links) => (links, Search::AllLinks),
+        Err(error) if error.raw_os_error() == Some(libc::EPERM) => {
+            (links_by_pin(&own_links), Search::PinnedLinks)
+        }
+        Err(error) => return Err(error),
+    };
+    let ancestors = ancestor_ids(&cgroup.path);
+    let wanted: HashSet<Endpoint> = vips.iter().copied().collect();
+    let mut others: Vec<OtherInstall> = Vec::new();
+    for link in links {
+        let relation = if link.cgroup_id == cgroup.id {
             Relation::Same
-        } else if ancestors.contains(&info.cgroup_id) {
+        } else if ancestors.contains(&link.cgroup_id) {
             Relation::Ancestor
-        } else if is_descendant(&cgroup.path, info.cgroup_id) {
+        } else if is_descendant(&cgroup.path, link.cgroup_id) {
             Relation::Descendant
         } else {
             continue;
         };
-        let shared: Vec<SocketAddr> = vips_of_program(info.prog_id)
+        let shared: Vec<SocketAddr> = link
+            .vips
             .iter()
             .filter(|vip| wanted.contains(vip))
             .filter_map(socket_addr)
@@ -208,7 +303,7 @@ pub fn overlapping(
             continue;
         }
         let other = OtherInstall {
-            pin_path: pin_dir_of_link(link_id),
+            pin_path: link.pin_dir.or_else(|| pin_dir_of_link(link.id)),
             relation,
             vips: shared,
         };
@@ -217,5 +312,5 @@ pub fn overlapping(
             others.push(other);
         }
     }
-    Ok(others)
+    Ok((others, search))
 }

@@ -1,0 +1,358 @@
+//! The packaging: the Kubernetes manifests validated offline against the
+//! API's schemas, the systemd unit verified by systemd, and least privilege
+//! proven: socklb runs as uid 65534 with exactly the capabilities that the
+//! DaemonSet adds (and the unit's bounding set holds), redirects, restarts
+//! onto its pins, answers the readiness probe and uninstalls; without any
+//! one of them it refuses to start and names what is missing.
+
+use std::{
+    net::SocketAddr,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+use socklb_tests::{
+    Backend, Cgroup, ClientRun, Daemon, free_port, kube::python, record_figures, require_root,
+    service_args, socklb_bin, spread, unique_name,
+};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the workspace")
+        .to_path_buf()
+}
+
+fn manifests() -> Vec<PathBuf> {
+    let dir = repo().join("deploy/kubernetes");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|error| panic!("{}: {error}", dir.display()))
+        .map(|entry| entry.expect("a directory entry").path())
+        .filter(|path| path.extension().is_some_and(|ext| ext == "yaml"))
+        .collect();
+    files.sort();
+    files
+}
+
+/// `kubernetes-validate --strict` against Kubernetes 1.31 (the oldest
+/// release the manifests support): its output, and whether it passed.
+fn validate(files: &[PathBuf]) -> (bool, String) {
+    let validator = python().with_file_name("kubernetes-validate");
+    let output = Command::new(&validator)
+        .args(["-k", "1.31", "--strict"])
+        .args(files)
+        .output()
+        .unwrap_or_else(|error| panic!("{}: {error}", validator.display()));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    (output.status.success(), text)
+}
+
+#[test]
+fn the_manifests_validate_against_the_kubernetes_schemas() {
+    let files = manifests();
+    let (passed, text) = validate(&files);
+    assert!(passed, "{text}");
+    // Every object was checked: the DaemonSet, the ConfigMap, and the
+    // ServiceAccount with its ClusterRole and binding.
+    for object in [
+        "daemonset/socklb",
+        "configmap/socklb",
+        "serviceaccount/socklb",
+        "clusterrole/socklb",
+        "clusterrolebinding/socklb",
+    ] {
+        assert!(
+            text.contains(&format!("passed for resource {object}")),
+            "{object} validated: {text}"
+        );
+    }
+
+    // The validator does refuse a broken manifest (a misspelt field).
+    let dir = std::env::temp_dir().join(unique_name("manifest"));
+    std::fs::create_dir(&dir).unwrap();
+    let daemonset = std::fs::read_to_string(repo().join("deploy/kubernetes/daemonset.yaml"))
+        .unwrap()
+        .replace("tolerations:", "toleration:");
+    let broken = dir.join("daemonset.yaml");
+    std::fs::write(&broken, daemonset).unwrap();
+    let (passed, text) = validate(&[broken]);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(!passed && text.contains("toleration"), "{text}");
+}
+
+/// A field of the DaemonSet's socklb container, read with PyYAML (which
+/// the Kubernetes client brings) as JSON.
+fn daemonset_container() -> serde_json::Value {
+    let script = r#"
+import json, sys, yaml
+daemonset = yaml.safe_load(open(sys.argv[1]))
+container = next(c for c in daemonset["spec"]["template"]["spec"]["containers"] if c["name"] == "socklb")
+print(json.dumps(container))
+"#;
+    let output = Command::new(python())
+        .arg("-c")
+        .arg(script)
+        .arg(repo().join("deploy/kubernetes/daemonset.yaml"))
+        .output()
+        .expect("python");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).expect("the container as JSON")
+}
+
+/// The capabilities the DaemonSet adds, in setpriv's spelling (`bpf`).
+fn daemonset_capabilities() -> Vec<String> {
+    let container = daemonset_container();
+    let capabilities = &container["securityContext"]["capabilities"];
+    assert_eq!(capabilities["drop"], serde_json::json!(["ALL"]));
+    assert_eq!(container["securityContext"]["privileged"], false);
+    assert_eq!(
+        container["securityContext"]["allowPrivilegeEscalation"],
+        false
+    );
+    capabilities["add"]
+        .as_array()
+        .expect("capabilities.add")
+        .iter()
+        .map(|cap| cap.as_str().expect("a name").to_ascii_lowercase())
+        .collect()
+}
+
+/// One `Key=value` line of the systemd unit.
+fn unit_setting(unit: &str, key: &str) -> String {
+    unit.lines()
+        .find_map(|line| line.strip_prefix(&format!("{key}=")))
+        .unwrap_or_else(|| panic!("the unit sets {key}"))
+        .to_string()
+}
+
+#[test]
+fn the_systemd_unit_verifies_and_bounds_the_same_capabilities() {
+    let path = repo().join("deploy/systemd/socklb.service");
+    let unit = std::fs::read_to_string(&path).unwrap();
+    let mut bounding: Vec<String> = unit_setting(&unit, "CapabilityBoundingSet")
+        .split_whitespace()
+        .map(|cap| cap.trim_start_matches("CAP_").to_ascii_lowercase())
+        .collect();
+    let mut listed = daemonset_capabilities();
+    bounding.sort();
+    listed.sort();
+    assert_eq!(bounding, listed, "the unit and the DaemonSet agree");
+    assert_eq!(unit_setting(&unit, "ExecReload"), "/bin/kill -HUP $MAINPID");
+    assert_eq!(unit_setting(&unit, "Restart"), "always");
+    assert_eq!(unit_setting(&unit, "ProtectSystem"), "strict");
+    assert_eq!(unit_setting(&unit, "NoNewPrivileges"), "yes");
+
+    // systemd's own check, with the binary where this build has it.
+    let dir = std::env::temp_dir().join(unique_name("unit"));
+    std::fs::create_dir(&dir).unwrap();
+    let copy = dir.join("socklb.service");
+    std::fs::write(
+        &copy,
+        unit.replace("/usr/local/bin/socklb", &socklb_bin().display().to_string()),
+    )
+    .unwrap();
+    let output = Command::new("systemd-analyze")
+        .args(["verify", "--man=no"])
+        .arg(&copy)
+        .output()
+        .expect("systemd-analyze (cargo xtask test installs systemd)");
+    let _ = std::fs::remove_dir_all(&dir);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(output.status.success(), "{text}");
+    assert!(
+        !text.contains("socklb.service"),
+        "systemd-analyze has nothing to say about the unit: {text}"
+    );
+}
+
+/// `setpriv` as uid 65534 with exactly `caps` (setpriv's names).
+fn as_nobody_with(caps: &[String]) -> Vec<String> {
+    let list: String = caps.iter().map(|cap| format!(",+{cap}")).collect();
+    vec![
+        "setpriv".into(),
+        "--reuid=65534".into(),
+        "--regid=65534".into(),
+        "--clear-groups".into(),
+        format!("--inh-caps=-all{list}"),
+        format!("--ambient-caps=-all{list}"),
+        format!("--bounding-set=-all{list}"),
+    ]
+}
+
+/// A directory owned by uid 65534, mode 0700, removed on drop.
+struct NobodyDir(PathBuf);
+
+impl NobodyDir {
+    fn new(label: &str) -> Self {
+        let dir = std::env::temp_dir().join(unique_name(label));
+        std::fs::create_dir(&dir).unwrap();
+        std::os::unix::fs::chown(&dir, Some(65534), Some(65534)).unwrap();
+        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
+            .unwrap();
+        Self(dir)
+    }
+}
+
+impl Drop for NobodyDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Waits until `status --json`, read with the same privileges (root
+/// refuses a pin directory another user owns), shows every backend healthy.
+fn wait_healthy(launcher: &[String], run_dir: &Path, pin: &str, addrs: &[SocketAddr]) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut last = serde_json::Value::Null;
+    while std::time::Instant::now() < deadline {
+        let output = run_as(launcher, run_dir, &["status", "--json", "--pin-path", pin]);
+        if let Ok(status) = serde_json::from_slice::<serde_json::Value>(&output.stdout) {
+            let healthy = addrs.iter().all(|addr| {
+                status["services"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .flat_map(|service| service["backends"].as_array().into_iter().flatten())
+                    .any(|backend| {
+                        backend["addr"] == addr.to_string() && backend["healthy"] == true
+                    })
+            });
+            if healthy && status["daemon"]["running"] == true {
+                return;
+            }
+            last = status;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    panic!("not healthy within 20 s: {last}");
+}
+
+fn run_as(launcher: &[String], run_dir: &Path, args: &[&str]) -> std::process::Output {
+    Command::new(&launcher[0])
+        .args(&launcher[1..])
+        .arg(socklb_bin())
+        .args(args)
+        .env("SOCKLB_RUN_DIR", run_dir)
+        .stdin(Stdio::null())
+        .output()
+        .expect("setpriv (cargo xtask test installs util-linux)")
+}
+
+#[test]
+fn socklb_runs_as_nobody_with_exactly_the_daemonsets_capabilities() {
+    require_root();
+    let caps = daemonset_capabilities();
+    let cgroup = Cgroup::new("leastpriv");
+    let backends = [
+        Backend::start("b0", "127.0.0.2"),
+        Backend::start("b1", "127.0.0.3"),
+    ];
+    let addrs: Vec<SocketAddr> = backends.iter().map(|backend| backend.addr).collect();
+    let vip = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let run_dir = NobodyDir::new("leastpriv-run");
+    let state_dir = NobodyDir::new("leastpriv-state");
+    let pin_path = PathBuf::from("/sys/fs/bpf").join(unique_name("leastpriv"));
+    let pin = pin_path.display().to_string();
+    let mut args = service_args(
+        &cgroup.path,
+        &[vip],
+        &addrs,
+        &["--close-on-failure", "true"],
+    );
+    args.extend(["--state-dir".to_string(), state_dir.0.display().to_string()]);
+    let launcher = as_nobody_with(&caps);
+    let run_dir_env = run_dir.0.display().to_string();
+    let env = [("SOCKLB_RUN_DIR", run_dir_env.as_str())];
+
+    // Without each capability in turn: refused before anything is made,
+    // naming the one that is missing.
+    for missing in &caps {
+        let fewer: Vec<String> = caps.iter().filter(|cap| *cap != missing).cloned().collect();
+        let mut run_args = vec!["run", "--pin-path", &pin];
+        run_args.extend(args.iter().map(String::as_str));
+        let output = run_as(&as_nobody_with(&fewer), &run_dir.0, &run_args);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let name = format!("CAP_{}", missing.to_ascii_uppercase());
+        assert_ne!(output.status.code(), Some(0), "without {name}");
+        assert!(
+            stderr.contains(&format!("this process lacks {name})")),
+            "names {name}: {stderr}"
+        );
+        assert!(!pin_path.exists(), "nothing pinned without {name}");
+    }
+
+    // With exactly them: it installs, redirects, and the readiness probe of
+    // the DaemonSet passes.
+    let mut daemon = Daemon::start_launched("leastpriv", &args, pin_path.clone(), &launcher, &env);
+    wait_healthy(&launcher, &run_dir.0, &pin, &addrs);
+    let served = spread(&ClientRun::new(vip, Some(&cgroup.path), 40).run());
+    assert!(!served.contains_key("error"), "{served:?}");
+    assert!(
+        served.contains_key("b0") && served.contains_key("b1"),
+        "{served:?}"
+    );
+    let pin_owner = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(&pin_path).unwrap());
+    assert_eq!(pin_owner, 65534, "the pins are the unprivileged daemon's");
+    let readiness = run_as(
+        &launcher,
+        &run_dir.0,
+        &["status", "--check", "--pin-path", &pin],
+    );
+    assert_eq!(
+        readiness.status.code(),
+        Some(0),
+        "the readiness probe: {}",
+        String::from_utf8_lossy(&readiness.stdout)
+    );
+    let status = run_as(
+        &launcher,
+        &run_dir.0,
+        &["status", "--json", "--pin-path", &pin],
+    );
+    let status: serde_json::Value = serde_json::from_slice(&status.stdout).expect("status JSON");
+    assert_eq!(status["daemon_info"]["config_generation"], 1, "{status}");
+    assert!(daemon.log_shows(
+        "other socklb installs are looked for through their pins",
+        Duration::from_secs(5)
+    ));
+
+    // A restart adopts the pins in place, still with only these.
+    daemon.restart();
+    wait_healthy(&launcher, &run_dir.0, &pin, &addrs);
+    let served = spread(&ClientRun::new(vip, Some(&cgroup.path), 40).run());
+    assert!(!served.contains_key("error"), "{served:?}");
+
+    // And it uninstalls.
+    let uninstall = run_as(
+        &launcher,
+        &run_dir.0,
+        &["uninstall", "--force", "--pin-path", &pin],
+    );
+    assert!(
+        uninstall.status.success(),
+        "{}",
+        String::from_utf8_lossy(&uninstall.stderr)
+    );
+    assert!(!pin_path.exists(), "uninstalled");
+    daemon.wait_exit(Duration::from_secs(10));
+    record_figures(&format!(
+        "least privilege: socklb run/status/uninstall as uid 65534 with exactly {} (the DaemonSet's and the unit's set); without each, refused naming it",
+        caps.iter()
+            .map(|cap| format!("CAP_{}", cap.to_ascii_uppercase()))
+            .collect::<Vec<_>>()
+            .join(" + ")
+    ));
+}

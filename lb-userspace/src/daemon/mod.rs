@@ -362,6 +362,9 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
             (false, false) => "installed the data plane",
         }
     );
+    // Loading parsed the kernel's BTF and the object (megabytes, now
+    // freed): give that memory back to the system.
+    trim_heap();
     let (reports_tx, reports) = mpsc::channel::<ProbeReport>(1024);
     let (discovery_tx, discovery_rx) = mpsc::channel::<SourceEvent>(256);
     let (refresh_tx, refresh) = mpsc::channel::<metrics::Refresh>(16);
@@ -426,6 +429,30 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
     let result = daemon.serve(inputs, &mut signals).await;
     daemon.stop();
     result
+}
+
+/// Keeps the daemon's resident memory near what it uses: by default
+/// glibc's malloc keeps freed memory at the top of each heap (its trim
+/// threshold grows with the largest block freed, to 32 MiB) and makes an
+/// arena for every thread that allocates. Called before the runtime's
+/// threads start.
+pub fn limit_heap() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: mallopt only sets allocator parameters; called before other
+    // threads exist.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 2);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 128 * 1024);
+    }
+}
+
+/// Returns freed heap memory to the system.
+fn trim_heap() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only releases free memory.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 /// Refuses to install when another socklb on this cgroup, an ancestor or a

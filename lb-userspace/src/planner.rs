@@ -50,6 +50,8 @@ pub struct TableLayout {
     pub flags: u32,
     pub close_on_failure: bool,
     pub health: HealthSettings,
+    /// The service's slow start (None: off).
+    pub slow_start: Option<std::time::Duration>,
     pub vips: Vec<SocketAddr>,
     pub backends: Vec<BackendLayout>,
 }
@@ -199,6 +201,7 @@ impl Layout {
                     flags,
                     close_on_failure: service.close_on_failure,
                     health: service.health.clone(),
+                    slow_start: service.slow_start,
                     vips,
                     backends,
                 });
@@ -225,12 +228,28 @@ pub struct TableContents {
     pub all: Vec<u32>,
 }
 
+/// Steps of a slow start: a ramping backend counts `step/RAMP_STEPS` of
+/// its weight in the healthy list, from step 1 to the full weight.
+pub const RAMP_STEPS: u32 = 10;
+
 /// The planner. `is_healthy(backend_id)` is the health view.
 ///
 /// The healthy list holds the healthy backends of the best tier that has
 /// any (preferred, then normal, then standby). The all list, for fail-open,
 /// holds every backend.
 pub fn plan(layout: &Layout, is_healthy: impl Fn(u32) -> bool) -> Vec<TableContents> {
+    plan_ramped(layout, is_healthy, |_| None)
+}
+
+/// [`plan`], with the backends in slow start: `ramp_step(backend_id)` is
+/// Some(step) (1..RAMP_STEPS) for one that ramps, which then holds about
+/// `step/RAMP_STEPS` of its weight's share in the healthy list. The
+/// fail-open list keeps every full weight.
+pub fn plan_ramped(
+    layout: &Layout,
+    is_healthy: impl Fn(u32) -> bool,
+    ramp_step: impl Fn(u32) -> Option<u32>,
+) -> Vec<TableContents> {
     layout
         .tables
         .iter()
@@ -241,21 +260,28 @@ pub fn plan(layout: &Layout, is_healthy: impl Fn(u32) -> bool) -> Vec<TableConte
                 .filter(|backend| is_healthy(backend.id))
                 .map(|backend| backend.tier)
                 .min();
-            let weighted = |keep: &dyn Fn(&BackendLayout) -> bool| {
+            let weighted = |keep: &dyn Fn(&BackendLayout) -> bool, ramped: bool| {
                 let members: Vec<(u32, u32)> = table
                     .backends
                     .iter()
                     .filter(|backend| keep(backend))
-                    .map(|backend| (backend.id, backend.weight))
+                    .map(|backend| {
+                        let step = ramped
+                            .then(|| ramp_step(backend.id))
+                            .flatten()
+                            .map_or(RAMP_STEPS, |step| step.clamp(1, RAMP_STEPS));
+                        (backend.id, backend.weight * step)
+                    })
                     .collect();
                 expand_weights(&members, SLOTS_PER_LIST as usize)
             };
             TableContents {
                 table_id: table.table_id,
-                healthy: weighted(&|backend| {
-                    is_healthy(backend.id) && Some(backend.tier) == best_tier
-                }),
-                all: weighted(&|_| true),
+                healthy: weighted(
+                    &|backend| is_healthy(backend.id) && Some(backend.tier) == best_tier,
+                    true,
+                ),
+                all: weighted(&|_| true, false),
             }
         })
         .collect()
@@ -622,5 +648,34 @@ mod tests {
         // Network byte order in memory: 127 is the first byte.
         assert_eq!(v4.addr_be[0].to_ne_bytes(), [127, 0, 0, 1]);
         assert_eq!(v4.port_be.to_ne_bytes(), 6444u16.to_be_bytes());
+    }
+
+    #[test]
+    fn a_ramping_backend_holds_its_step_of_its_share() {
+        let layout = layout(
+            r#"
+            [[service]]
+            name = "api"
+            vips = ["127.0.0.1:6444"]
+            backends = ["127.0.0.2:1,weight=2", "127.0.0.3:1,weight=2", "127.0.0.4:1,weight=4"]
+            "#,
+        );
+        let count = |list: &[u32], id: u32| list.iter().filter(|&&slot| slot == id).count();
+        let full = plan(&layout, |_| true).remove(0);
+        assert_eq!(full.healthy.len(), 4, "2:2:4 in 1:1:2 slots");
+        // Backend 2 at step 1 of 10: 40 tenths against 20 and 20.
+        let ramped = plan_ramped(&layout, |_| true, |id| (id == 2).then_some(1)).remove(0);
+        assert_eq!(
+            (
+                count(&ramped.healthy, 0),
+                count(&ramped.healthy, 1),
+                count(&ramped.healthy, 2)
+            ),
+            (5, 5, 1)
+        );
+        assert_eq!(ramped.all, full.all, "fail-open keeps full weights");
+        // Step 10 is the full weight.
+        let done = plan_ramped(&layout, |_| true, |id| (id == 2).then_some(RAMP_STEPS)).remove(0);
+        assert_eq!(done, full);
     }
 }

@@ -19,7 +19,7 @@ pub struct RunArgs {
         "vip", "backend", "name", "policy", "when_none_healthy", "all_netns", "close_on_failure", "health", "health_status", "health_host",
         "health_ca", "health_cert", "health_key", "health_server_name", "health_interval",
         "health_down_interval", "health_timeout", "rise", "fall", "connect_failures",
-        "k3s_state", "endpointslices", "endpointslice_port", "kubeconfig",
+        "k3s_state", "endpointslices", "endpointslice_port", "kubeconfig", "slow_start",
     ])]
     config: Option<PathBuf>,
     /// VIP that clients connect to (repeatable; IPv4 and IPv6 may share a service).
@@ -52,6 +52,11 @@ pub struct RunArgs {
     /// Redirect sockets in every network namespace, not only the daemon's own.
     #[arg(long)]
     all_netns: bool,
+    /// Ramp a backend that becomes healthy (or is added) from about a
+    /// tenth of its weight to all of it over DURATION, in the kernel's
+    /// tables [default: off].
+    #[arg(long, value_name = "DURATION")]
+    slow_start: Option<String>,
     /// Health probe: tcp, tls, http[:PATH], https[:PATH], or a preset
     /// (apiserver = https /readyz, supervisor = https /ping, etcd = https
     /// /health with a client certificate) [default: tcp].
@@ -176,6 +181,7 @@ pub fn run(args: RunArgs) -> super::Outcome {
             endpointslices: args.endpointslices.clone(),
             endpointslice_port: args.endpointslice_port.clone(),
             kubeconfig: args.kubeconfig.clone(),
+            slow_start: args.slow_start.clone(),
         })?,
     };
     // After the config: a bad file is reported the same with or without

@@ -234,6 +234,10 @@ pub struct Service {
     pub health: HealthSettings,
     /// Dynamic sources of backends; `backends` then only seeds the table.
     pub discovery: Discovery,
+    /// A backend that becomes healthy (or is added) ramps its share of new
+    /// connections from about a tenth of its weight to all of it over this
+    /// long. None: off.
+    pub slow_start: Option<Duration>,
 }
 
 /// A validated configuration: every field was checked.
@@ -341,6 +345,9 @@ impl fmt::Display for Config {
                 }
             )?;
             writeln!(f, "  close-on-failure: {}", service.close_on_failure)?;
+            if let Some(slow_start) = service.slow_start {
+                writeln!(f, "  slow-start: {slow_start:?}")?;
+            }
             let health = &service.health;
             writeln!(
                 f,

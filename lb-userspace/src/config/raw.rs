@@ -40,6 +40,9 @@ pub struct RawService {
     /// Kubeconfig for the EndpointSlice watch (default: inferred, as
     /// kubectl does: $KUBECONFIG, ~/.kube/config, then in-cluster).
     pub kubeconfig: Option<PathBuf>,
+    /// A backend that becomes healthy ramps its share over this long
+    /// (default off).
+    pub slow_start: Option<String>,
 }
 
 /// A backend: `"ADDR:PORT[,weight=N][,preferred][,standby]"` or

@@ -12,7 +12,7 @@ use super::{
     Backend, BackendRole, Discovery, FieldError, NoneHealthyPolicy, RawService, SelectionPolicy,
     Service, SliceSource, field_error,
     health::validate_health,
-    values::{parse_backend, parse_endpoint},
+    values::{parse_backend, parse_endpoint, parse_positive_duration},
 };
 
 pub(super) fn validate_service(
@@ -133,6 +133,9 @@ pub(super) fn validate_service(
         ));
     }
     let health = validate_health(&raw.health, prefix, errors);
+    let slow_start = raw.slow_start.as_deref().and_then(|text| {
+        parse_positive_duration(text, &field_name("slow-start", "--slow-start"), errors)
+    });
     (errors.len() == before).then_some(Service {
         name,
         vips,
@@ -143,6 +146,7 @@ pub(super) fn validate_service(
         close_on_failure: raw.close_on_failure.unwrap_or(true),
         health,
         discovery,
+        slow_start,
     })
 }
 

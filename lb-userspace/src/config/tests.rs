@@ -312,6 +312,12 @@ const INVALID: &[(&str, &str, &str, &str)] = &[
         "out of range 10ms..=1h",
     ),
     (
+        "slow start not a duration",
+        "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\nslow-start=\"soon\"",
+        "service[0].slow-start",
+        "not a duration",
+    ),
+    (
         "bad down interval",
         "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\nhealth={down-interval=\"x\"}",
         "service[0].health.down-interval",

@@ -43,7 +43,7 @@ use crate::{
     },
     errors,
     health::{ProbeReport, Transition, probe::Prober, probe_loop},
-    planner::{Layout, endpoint},
+    planner::{self, Layout, endpoint},
     sockets,
 };
 use metrics::Metrics;
@@ -667,6 +667,7 @@ impl Daemon {
                 }
                 _ = tick.tick() => {
                     self.beat();
+                    self.advance_ramps();
                     self.verify_and_repair();
                 }
                 _ = signals.terminate.recv() => { info!("SIGTERM"); break; }
@@ -724,6 +725,28 @@ impl Daemon {
         }
     }
 
+    /// Moves the slow starts on; writes the tables when a step changed.
+    fn advance_ramps(&mut self) {
+        let changed = self.owner.advance_ramps(Instant::now());
+        if changed.is_empty() {
+            return;
+        }
+        for (backend_id, step) in &changed {
+            let Some(backend) = self.probed.get(backend_id) else {
+                continue;
+            };
+            match step {
+                Some(step) => debug!(
+                    "{}: slow start at {step}/{} of its weight",
+                    backend.addr,
+                    planner::RAMP_STEPS
+                ),
+                None => info!("{}: slow start over; it has its full weight", backend.addr),
+            }
+        }
+        self.owner.write(&mut self.running.maps);
+    }
+
     /// Logs a backend's transition once, writes the tables, and closes the
     /// connections to a backend that went down. `wake`: let the backend's
     /// probe loop know at once (a verdict that did not come from it).
@@ -737,6 +760,18 @@ impl Daemon {
             let message = transition.message(backend.addr);
             if transition.healthy {
                 info!("{message}");
+                if self.owner.ramp_step(backend_id).is_some() {
+                    let duration = self
+                        .owner
+                        .backend(backend_id)
+                        .and_then(|(table, _)| table.slow_start)
+                        .unwrap_or_default();
+                    info!(
+                        "{}: slow start from 1/{} of its weight to all of it over {duration:?}",
+                        backend.addr,
+                        planner::RAMP_STEPS
+                    );
+                }
             } else {
                 warn!("{message}");
             }

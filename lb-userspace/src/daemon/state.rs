@@ -7,6 +7,7 @@
 use std::{
     collections::{BTreeSet, HashMap, HashSet},
     net::SocketAddr,
+    time::{Duration, Instant},
 };
 
 use lb_common::{BackendInfo, Endpoint, Settings};
@@ -16,7 +17,10 @@ use crate::{
     dataplane::{BackendHealth, Desired, Drift, MapStore, StoreError, Writer, tables::table_name},
     errors,
     health::{HealthTracker, ProbeFailure, Transition},
-    planner::{BackendLayout, KnownIds, Layout, TableLayout, endpoint, plan, socket_addr},
+    planner::{
+        BackendLayout, KnownIds, Layout, RAMP_STEPS, TableLayout, endpoint, plan_ramped,
+        socket_addr,
+    },
 };
 
 /// The ids the pinned records give: what `Layout::keeping` keeps.
@@ -82,8 +86,18 @@ pub struct UnknownBackend {
     pub known: String,
 }
 
+/// A backend in slow start: since when (set by the first
+/// [`Owner::advance_ramps`] after it became healthy) and at which step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Ramp {
+    started: Option<Instant>,
+    step: u32,
+}
+
 pub struct Owner {
     layout: Layout,
+    /// Backends in slow start, by id.
+    ramps: HashMap<u32, Ramp>,
     trackers: HashMap<u32, HealthTracker>,
     /// Backends `socklb drain` asked to drain, by address.
     requested_drains: BTreeSet<Endpoint>,
@@ -106,6 +120,7 @@ impl Owner {
             .collect();
         let mut owner = Self {
             layout,
+            ramps: HashMap::new(),
             trackers,
             requested_drains: BTreeSet::new(),
             draining: HashSet::new(),
@@ -229,6 +244,19 @@ impl Owner {
             }
         }
         changes.removed.sort();
+        // A ramp follows its backend to a new id; a service whose slow
+        // start is now off ends its ramps.
+        let ramps = std::mem::take(&mut self.ramps);
+        for (table, backend) in self.layout.backends() {
+            let ramp = old_backends
+                .get(&(table.service.as_str(), backend.addr))
+                .and_then(|(_, old_backend)| ramps.get(&old_backend.id));
+            if let Some(ramp) = ramp
+                && table.slow_start.is_some()
+            {
+                self.ramps.insert(backend.id, *ramp);
+            }
+        }
         self.trackers = trackers;
         self.update_draining();
         changes
@@ -276,9 +304,11 @@ impl Owner {
     /// What the maps should hold now. A draining backend is planned like an
     /// unhealthy one: out of the healthy list, still in the fail-open list.
     pub fn desired(&self) -> Desired {
-        let contents = plan(&self.layout, |id| {
-            self.is_healthy(id) && !self.draining.contains(&id)
-        });
+        let contents = plan_ramped(
+            &self.layout,
+            |id| self.is_healthy(id) && !self.draining.contains(&id),
+            |id| self.ramps.get(&id).map(|ramp| ramp.step),
+        );
         Desired::build(
             &self.layout,
             &contents,
@@ -333,7 +363,72 @@ impl Owner {
         let was_settled = tracker.is_settled();
         let transition = tracker.record(outcome, success_words);
         let newly_settled = !was_settled && tracker.is_settled();
+        match &transition {
+            Some(transition) if transition.healthy => self.start_ramp(id),
+            Some(_) => {
+                self.ramps.remove(&id);
+            }
+            None => {}
+        }
         (transition, newly_settled)
+    }
+
+    /// A backend that became healthy starts its slow start, if its service
+    /// has one: step 1 at once, the clock from the next `advance_ramps`.
+    fn start_ramp(&mut self, id: u32) {
+        let has_slow_start = self
+            .backend(id)
+            .is_some_and(|(table, _)| table.slow_start.is_some());
+        if has_slow_start {
+            self.ramps.insert(
+                id,
+                Ramp {
+                    started: None,
+                    step: 1,
+                },
+            );
+        }
+    }
+
+    /// The slow start step of a backend (1..RAMP_STEPS), if it ramps.
+    pub fn ramp_step(&self, id: u32) -> Option<u32> {
+        self.ramps.get(&id).map(|ramp| ramp.step)
+    }
+
+    /// Moves every slow start to the step its elapsed time gives (the
+    /// share grows by a tenth of the weight each tenth of the duration),
+    /// and ends those whose time is up. Returns the backends whose step
+    /// changed (with the new step, None when it ended): the tables must be
+    /// written again.
+    pub fn advance_ramps(&mut self, now: Instant) -> Vec<(u32, Option<u32>)> {
+        let mut changed = Vec::new();
+        let durations: HashMap<u32, Duration> = self
+            .layout
+            .backends()
+            .filter_map(|(table, backend)| Some((backend.id, table.slow_start?)))
+            .collect();
+        self.ramps.retain(|id, ramp| {
+            let Some(duration) = durations.get(id) else {
+                changed.push((*id, None));
+                return false;
+            };
+            let started = *ramp.started.get_or_insert(now);
+            let elapsed = now.saturating_duration_since(started);
+            if elapsed >= *duration {
+                changed.push((*id, None));
+                return false;
+            }
+            let step =
+                1 + (elapsed.as_secs_f64() / duration.as_secs_f64() * f64::from(RAMP_STEPS)) as u32;
+            let step = step.clamp(1, RAMP_STEPS);
+            if step != ramp.step {
+                ramp.step = step;
+                changed.push((*id, Some(step)));
+            }
+            true
+        });
+        changed.sort_unstable();
+        changed
     }
 
     /// A confirming probe failed after the kernel saw failed connects: the

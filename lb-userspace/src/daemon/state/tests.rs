@@ -455,3 +455,63 @@ fn adoption_seeds_health_by_service_and_address() {
         "the dropped service's VIP is gone"
     );
 }
+
+#[test]
+fn a_backend_back_from_down_ramps_its_share_in_steps_then_has_its_weight() {
+    let config = r#"
+        [[service]]
+        name = "api"
+        vips = ["127.0.0.1:6444"]
+        slow-start = "10s"
+        backends = ["127.0.0.2:1", "127.0.0.3:1", "127.0.0.4:1"]
+    "#;
+    let mut maps = MemoryMaps::default();
+    let mut owner = owner(config);
+    owner.adopt(&maps).unwrap();
+    assert!(owner.write(&mut maps));
+    // The share of backend 2 in the healthy list: (its slots, all slots).
+    let share = |maps: &MemoryMaps| {
+        let (_, healthy, _) = effective(maps).remove(0);
+        let own = healthy.iter().filter(|slot| slot.backend_id == 2).count();
+        (own, healthy.len())
+    };
+    assert_eq!(share(&maps), (1, 3), "a first start ramps nothing");
+
+    let (down, _) = owner.record_probe(2, &Err(ProbeFailure::Refused), "ok");
+    assert!(down.is_some_and(|down| !down.healthy));
+    assert!(owner.write(&mut maps));
+    assert_eq!(share(&maps), (0, 2));
+    let mut up = None;
+    for _ in 0..5 {
+        up = up.or(owner.record_probe(2, &Ok(()), "ok").0);
+    }
+    assert!(up.is_some_and(|up| up.healthy), "back up");
+    assert_eq!(owner.ramp_step(2), Some(1));
+    assert!(owner.write(&mut maps));
+    // Step 1: a tenth of the others' weight (1 of 10 + 10 + 1 slots).
+    assert_eq!(share(&maps), (1, 21));
+
+    let start = Instant::now();
+    assert_eq!(owner.advance_ramps(start), Vec::new(), "the clock starts");
+    assert_eq!(
+        owner.advance_ramps(start + Duration::from_millis(5_500)),
+        vec![(2, Some(6))]
+    );
+    assert!(owner.write(&mut maps));
+    // 10 : 10 : 6, divided by 2.
+    assert_eq!(share(&maps), (3, 13));
+    assert_eq!(
+        owner.advance_ramps(start + Duration::from_secs(10)),
+        vec![(2, None)]
+    );
+    assert_eq!(owner.ramp_step(2), None);
+    assert!(owner.write(&mut maps));
+    assert_eq!(share(&maps), (1, 3), "its full weight");
+
+    // Down again in the middle of a ramp: the ramp ends with it.
+    owner.record_probe(2, &Err(ProbeFailure::Refused), "ok");
+    for _ in 0..5 {
+        owner.record_probe(2, &Err(ProbeFailure::Refused), "ok");
+    }
+    assert_eq!(owner.ramp_step(2), None);
+}

@@ -1,0 +1,92 @@
+//! Fleet behaviour: a server that comes back (or is added) does not take
+//! the whole herd's reconnects. With least-conn it has no live connections
+//! and would win every draw it is in; slow start gives it a tenth of its
+//! weight's share in the kernel's tables first, then more each tenth of the
+//! duration.
+
+use std::{net::SocketAddr, time::Duration};
+
+use socklb_tests::{
+    Backend, Cgroup, ConnClient, Daemon, backend_field, free_port, record_figures, require_root,
+    service_args,
+};
+
+const LIMIT: Duration = Duration::from_secs(20);
+
+fn live(status: &serde_json::Value, addr: SocketAddr) -> i64 {
+    backend_field(status, &addr.to_string(), "live")
+        .and_then(|value| value.as_i64())
+        .unwrap_or(0)
+}
+
+fn healthy(status: &serde_json::Value, addr: SocketAddr) -> bool {
+    backend_field(status, &addr.to_string(), "healthy") == Some(serde_json::Value::Bool(true))
+}
+
+/// Three servers with 20 long-lived connections each; the third fails
+/// (its connections are closed) and comes back; then a herd of 60 new
+/// connections arrives. Returns how many of them the returning server got.
+fn returning_server_share(label: &str, base: u8, extra: &[&str]) -> i64 {
+    let cgroup = Cgroup::new(label);
+    let mut backends: Vec<Backend> = (0..3u8)
+        .map(|index| {
+            Backend::start_holding(&format!("b{index}"), &format!("127.0.0.{}", base + index))
+        })
+        .collect();
+    let addrs: Vec<SocketAddr> = backends.iter().map(|backend| backend.addr).collect();
+    let vip = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let mut flags = vec!["--policy", "least-conn", "--close-on-failure", "true"];
+    flags.extend_from_slice(extra);
+    let mut daemon = Daemon::start(label, &service_args(&cgroup.path, &[vip], &addrs, &flags));
+    daemon.wait_health(&addrs, true, LIMIT);
+
+    let mut settled =
+        ConnClient::hold_until_released(vip, &cgroup.path, 60, Duration::from_secs(120));
+    daemon.wait_for("60 settled connections", LIMIT, |status| {
+        addrs.iter().map(|addr| live(status, *addr)).sum::<i64>() == 60
+    });
+
+    // The third server fails: its connections are closed, it leaves.
+    backends[2].stop();
+    daemon.wait_for("b2 down and empty", LIMIT, |status| {
+        !healthy(status, addrs[2]) && live(status, addrs[2]) == 0
+    });
+    let before: i64 = {
+        let status = daemon.status().unwrap();
+        live(&status, addrs[0]) + live(&status, addrs[1])
+    };
+
+    // It comes back; at once a herd of 60 connects.
+    backends[2].resume();
+    daemon.wait_for("b2 healthy again", LIMIT, |status| {
+        healthy(status, addrs[2])
+    });
+    let mut herd = ConnClient::hold_until_released(vip, &cgroup.path, 60, Duration::from_secs(120));
+    daemon.wait_for("the herd connected", LIMIT, |status| {
+        addrs.iter().map(|addr| live(status, *addr)).sum::<i64>() == before + 60
+    });
+    let share = live(&daemon.status().unwrap(), addrs[2]);
+    herd.release();
+    settled.release();
+    let _ = herd.finish();
+    let _ = settled.finish();
+    share
+}
+
+#[test]
+fn slow_start_keeps_a_returning_server_from_taking_the_herd() {
+    require_root();
+    let without = returning_server_share("herd-base", 81, &[]);
+    let with = returning_server_share("herd-slow", 85, &["--slow-start", "30s"]);
+    record_figures(&format!(
+        "slow start: of 60 new connections right after a server came back (least-conn, the others at ~20 live each), it took {without} without slow start, {with} with --slow-start 30s"
+    ));
+    assert!(
+        without >= 20,
+        "least-conn without slow start sends the herd to the empty server: {without} of 60"
+    );
+    assert!(
+        with * 2 <= without,
+        "slow start at least halves its share: {with} against {without} of 60"
+    );
+}

@@ -52,6 +52,8 @@ pub struct TableLayout {
     pub health: HealthSettings,
     /// The service's slow start (None: off).
     pub slow_start: Option<std::time::Duration>,
+    /// The service's rebalancing (None: off).
+    pub rebalance: Option<crate::config::Rebalance>,
     pub vips: Vec<SocketAddr>,
     pub backends: Vec<BackendLayout>,
 }
@@ -202,6 +204,7 @@ impl Layout {
                     close_on_failure: service.close_on_failure,
                     health: service.health.clone(),
                     slow_start: service.slow_start,
+                    rebalance: service.rebalance,
                     vips,
                     backends,
                 });

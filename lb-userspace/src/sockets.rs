@@ -60,6 +60,32 @@ struct Dumped {
     family: u8,
     id: SocketId,
     record: Option<SocketRecord>,
+    /// Milliseconds since it last sent or received data (from `tcp_info`),
+    /// when the dump asked for it.
+    idle_ms: Option<u32>,
+}
+
+/// Whether a dumped socket goes to `backend` and socklb sent it there.
+fn redirected_to(
+    dumped: &Dumped,
+    backend: SocketAddr,
+    target: &lb_common::Endpoint,
+    legacy: &impl Fn(u64) -> bool,
+) -> bool {
+    let redirected = match dumped.record {
+        Some(record) => record.backend == *target,
+        None => legacy(cookie(&dumped.id)),
+    };
+    goes_to(&dumped.id, backend) && redirected
+}
+
+/// The families whose sockets can go to `backend`: an IPv6 socket that
+/// dialled ::ffff:a.b.c.d is an AF_INET6 socket.
+fn families_of(backend: SocketAddr) -> &'static [u8] {
+    match backend.ip() {
+        IpAddr::V4(_) => &[AF_INET, AF_INET6],
+        IpAddr::V6(_) => &[AF_INET6],
+    }
 }
 
 /// Destroys every connection to `backend` that socklb redirected there:
@@ -73,33 +99,68 @@ pub fn destroy_redirected(
 ) -> io::Result<SweepReport> {
     let mut report = SweepReport::default();
     let target = crate::planner::endpoint(&backend);
-    let families: &[u8] = match backend.ip() {
-        // An IPv6 socket that dialled ::ffff:a.b.c.d is an AF_INET6 socket.
-        IpAddr::V4(_) => &[AF_INET, AF_INET6],
-        IpAddr::V6(_) => &[AF_INET6],
-    };
-    for &family in families {
-        for Dumped {
-            family: socket_family,
-            id,
-            record,
-        } in dump(family, storage)?
-        {
-            let redirected = match record {
-                Some(record) => record.backend == target,
-                None => legacy(cookie(&id)),
-            };
-            if !goes_to(&id, backend) || !redirected {
+    for &family in families_of(backend) {
+        for dumped in dump(family, storage, false)? {
+            if !redirected_to(&dumped, backend, &target, &legacy) {
                 continue;
             }
             report.matched += 1;
-            match destroy(socket_family, id) {
+            match destroy(dumped.family, dumped.id) {
                 Ok(()) => report.destroyed += 1,
                 Err(_) => report.failed += 1,
             }
         }
     }
     Ok(report)
+}
+
+/// Destroys up to `count` of the connections socklb redirected to
+/// `backend`, those idle longest first (by `tcp_info`'s last data sent and
+/// received), so that requests in flight are the least likely to be cut.
+/// Blocking; run it off the async runtime.
+pub fn destroy_idlest(
+    backend: SocketAddr,
+    storage: BorrowedFd<'_>,
+    count: usize,
+    legacy: impl Fn(u64) -> bool,
+) -> io::Result<SweepReport> {
+    let target = crate::planner::endpoint(&backend);
+    let mut candidates = Vec::new();
+    for &family in families_of(backend) {
+        candidates.extend(
+            dump(family, storage, true)?
+                .into_iter()
+                .filter(|dumped| redirected_to(dumped, backend, &target, &legacy)),
+        );
+    }
+    let mut report = SweepReport {
+        matched: candidates.len(),
+        ..SweepReport::default()
+    };
+    candidates.sort_by_key(|dumped| std::cmp::Reverse(dumped.idle_ms.unwrap_or(0)));
+    for dumped in candidates.into_iter().take(count) {
+        match destroy(dumped.family, dumped.id) {
+            Ok(()) => report.destroyed += 1,
+            Err(_) => report.failed += 1,
+        }
+    }
+    Ok(report)
+}
+
+/// Offsets in `struct tcp_info` (include/uapi/linux/tcp.h) of
+/// `tcpi_last_data_sent` and `tcpi_last_data_recv`, in milliseconds.
+const TCPI_LAST_DATA_SENT: usize = 44;
+const TCPI_LAST_DATA_RECV: usize = 52;
+
+/// How long a socket has been idle: since it last sent or received data,
+/// whichever is more recent.
+fn idle_ms(tcp_info: &[u8]) -> Option<u32> {
+    let word = |offset: usize| {
+        tcp_info
+            .get(offset..offset + 4)
+            .map(|bytes| u32::from_ne_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]))
+    };
+    Some(word(TCPI_LAST_DATA_SENT)?.min(word(TCPI_LAST_DATA_RECV)?))
 }
 
 /// The socket cookie, as the kernel splits it over two native u32 words.
@@ -126,11 +187,11 @@ fn connect() -> io::Result<Socket> {
     Ok(socket)
 }
 
-fn request(family: u8, socket_id: SocketId) -> SockDiagMessage {
+fn request(family: u8, socket_id: SocketId, extensions: ExtensionFlags) -> SockDiagMessage {
     SockDiagMessage::InetRequest(InetRequest {
         family,
         protocol: IPPROTO_TCP,
-        extensions: ExtensionFlags::empty(),
+        extensions,
         states: live_states(),
         socket_id,
     })
@@ -173,13 +234,21 @@ const NLA_TYPE_MASK: u16 = 0x3fff;
 /// A dump request that also asks for each socket's value in `storage`. The
 /// crate has no field for request attributes, so the attribute is appended
 /// to its encoding and the message length fixed.
-fn dump_request(family: u8, storage: BorrowedFd<'_>) -> Vec<u8> {
+fn dump_request(family: u8, storage: BorrowedFd<'_>, with_info: bool) -> Vec<u8> {
     let empty_id = if family == AF_INET {
         SocketId::new_v4()
     } else {
         SocketId::new_v6()
     };
-    let mut message = encode(NLM_F_REQUEST | NLM_F_DUMP, request(family, empty_id));
+    let extensions = if with_info {
+        ExtensionFlags::INFO
+    } else {
+        ExtensionFlags::empty()
+    };
+    let mut message = encode(
+        NLM_F_REQUEST | NLM_F_DUMP,
+        request(family, empty_id, extensions),
+    );
     let fd = (storage.as_raw_fd() as u32).to_ne_bytes();
     let inner_len: u16 = 4 + 4;
     let outer_len: u16 = 4 + inner_len;
@@ -223,9 +292,9 @@ fn invalid(error: impl ToString) -> io::Error {
 
 /// Every live TCP socket of one family in this network namespace, with its
 /// record in the storage map.
-fn dump(family: u8, storage: BorrowedFd<'_>) -> io::Result<Vec<Dumped>> {
+fn dump(family: u8, storage: BorrowedFd<'_>, with_info: bool) -> io::Result<Vec<Dumped>> {
     let socket = connect()?;
-    socket.send(&dump_request(family, storage), 0)?;
+    socket.send(&dump_request(family, storage, with_info), 0)?;
     let mut sockets = Vec::new();
     let mut buffer = vec![0u8; 1 << 16];
     // A dump ends with NLMSG_DONE; the bound only guards against a kernel
@@ -243,6 +312,12 @@ fn dump(family: u8, storage: BorrowedFd<'_>) -> io::Result<Vec<Dumped>> {
                         family: response.header.family,
                         id: response.header.socket_id,
                         record: record_of(&response.nlas),
+                        idle_ms: response.nlas.iter().find_map(|nla| match nla {
+                            netlink_packet_sock_diag::inet::nlas::Nla::TcpInfo(info) => {
+                                idle_ms(info)
+                            }
+                            _ => None,
+                        }),
                     });
                 }
                 NetlinkPayload::Done(_) => return Ok(sockets),
@@ -278,7 +353,7 @@ fn destroy(family: u8, id: SocketId) -> io::Result<()> {
     send(
         &socket,
         NLM_F_REQUEST | NLM_F_ACK,
-        SockDiagDestroy::new(request(family, id)),
+        SockDiagDestroy::new(request(family, id, ExtensionFlags::empty())),
     )?;
     let mut buffer = vec![0u8; 8192];
     let size = socket.recv(&mut &mut buffer[..], 0)?;
@@ -319,5 +394,14 @@ mod tests {
         socket_id.cookie[..4].copy_from_slice(&0x0102_0304u32.to_ne_bytes());
         socket_id.cookie[4..].copy_from_slice(&0x0a0b_0c0du32.to_ne_bytes());
         assert_eq!(cookie(&socket_id), 0x0a0b_0c0d_0102_0304);
+    }
+
+    #[test]
+    fn idle_time_is_the_more_recent_of_last_send_and_receive() {
+        let mut info = vec![0u8; 104];
+        info[TCPI_LAST_DATA_SENT..TCPI_LAST_DATA_SENT + 4].copy_from_slice(&700u32.to_ne_bytes());
+        info[TCPI_LAST_DATA_RECV..TCPI_LAST_DATA_RECV + 4].copy_from_slice(&300u32.to_ne_bytes());
+        assert_eq!(idle_ms(&info), Some(300));
+        assert_eq!(idle_ms(&info[..50]), None, "a short tcp_info says nothing");
     }
 }

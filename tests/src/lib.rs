@@ -895,6 +895,18 @@ impl ConnClient {
         Self { child: Some(child) }
     }
 
+    /// Like `hold_until_released`, with clients that open a connection
+    /// again at once when it ends (each line then counts `reconnects`).
+    pub fn hold_reconnecting(vip: SocketAddr, cgroup: &Path, count: u32, limit: Duration) -> Self {
+        let child = Self::command("--hold", vip, cgroup, count)
+            .args(["--hold-ms", &limit.as_millis().to_string()])
+            .args(["--until-stdin-closes", "--reconnect"])
+            .stdin(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|error| panic!("starting connclient: {error}"));
+        Self { child: Some(child) }
+    }
+
     /// Ends a hold started by `hold_until_released`: every connection closes.
     pub fn release(&mut self) {
         if let Some(child) = self.child.as_mut() {

@@ -90,3 +90,100 @@ fn slow_start_keeps_a_returning_server_from_taking_the_herd() {
         "slow start at least halves its share: {with} against {without} of 60"
     );
 }
+
+/// `socklb_rebalance_moves_total` summed over backends, from the log's
+/// last "after N moves (M needed)".
+fn episode_moves(log: &str) -> Option<(u64, u64)> {
+    let line = log
+        .lines()
+        .rev()
+        .find(|line| line.contains("in balance again"))?;
+    let after = line.split("after ").nth(1)?;
+    let moved = after.split(' ').next()?.parse().ok()?;
+    let needed = after.split('(').nth(1)?.split(' ').next()?.parse().ok()?;
+    Some((moved, needed))
+}
+
+#[test]
+fn rebalancing_evens_out_long_lived_connections_after_a_server_returns() {
+    require_root();
+    let cgroup = Cgroup::new("rebalance");
+    let mut backends: Vec<Backend> = (0..3u8)
+        .map(|index| {
+            Backend::start_holding(&format!("b{index}"), &format!("127.0.0.{}", 91 + index))
+        })
+        .collect();
+    let addrs: Vec<SocketAddr> = backends.iter().map(|backend| backend.addr).collect();
+    let vip = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let flags = [
+        "--policy",
+        "least-conn",
+        "--rebalance",
+        "--rebalance-after",
+        "1s",
+        "--rebalance-rate",
+        "20",
+    ];
+    let mut daemon = Daemon::start(
+        "rebalance",
+        &service_args(&cgroup.path, &[vip], &addrs, &flags),
+    );
+    daemon.wait_health(&addrs, true, LIMIT);
+
+    // b2 is down while 60 long-lived clients connect: they all land on b0
+    // and b1, as after a rolling restart that ended with b2.
+    backends[2].stop();
+    daemon.wait_for("b2 down", LIMIT, |status| !healthy(status, addrs[2]));
+    let mut clients =
+        ConnClient::hold_reconnecting(vip, &cgroup.path, 60, Duration::from_secs(120));
+    daemon.wait_for("60 clients on b0 and b1", LIMIT, |status| {
+        live(status, addrs[0]) + live(status, addrs[1]) == 60
+    });
+    backends[2].resume();
+    daemon.wait_for("b2 back", LIMIT, |status| healthy(status, addrs[2]));
+
+    // Rebalancing moves about a third of them to b2, and stops.
+    let took = daemon.wait_for("in balance", Duration::from_secs(60), |status| {
+        let counts: Vec<i64> = addrs.iter().map(|addr| live(status, *addr)).collect();
+        let total: i64 = counts.iter().sum();
+        let max = counts.iter().copied().max().unwrap_or(0);
+        total == 60 && max * 10 <= 24 * 10 && counts.iter().all(|count| *count >= 16)
+    });
+    assert!(
+        daemon.log_shows("in balance again", LIMIT),
+        "{}",
+        daemon.log()
+    );
+    let (moved, needed) = episode_moves(&daemon.log()).expect("the episode's line");
+    let status = daemon.status().unwrap();
+    let counts: Vec<i64> = addrs.iter().map(|addr| live(&status, *addr)).collect();
+    clients.release();
+    let ends = clients.finish();
+    let reconnects: u64 = ends
+        .iter()
+        .map(|end| end["reconnects"].as_u64().unwrap_or(0))
+        .sum();
+    let lost = ends.iter().filter(|end| end["end"] != "open").count();
+    record_figures(&format!(
+        "rebalance: 60 long-lived clients on 2 of 3 servers after the third returned: balanced to {counts:?} in {} ms with {moved} moves ({needed} needed, ratio {:.2}), {reconnects} reconnects, {lost} clients lost",
+        took.as_millis(),
+        moved as f64 / needed.max(1) as f64
+    ));
+    assert_eq!(lost, 0, "every client reconnected: {ends:?}");
+    assert_eq!(needed, 20, "10 from each of b0 and b1");
+    assert!(
+        moved * 10 <= needed * 12,
+        "moves ≤ 1.2 × the minimum: {moved} for {needed}"
+    );
+    assert_eq!(reconnects, moved, "each move is one reconnect");
+
+    // In balance, nothing more moves.
+    let before = daemon.log().matches("rebalance: default: closed").count();
+    daemon.wait_for("a few more looks", LIMIT, |_| true);
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(
+        daemon.log().matches("rebalance: default: closed").count(),
+        before,
+        "no move in balance"
+    );
+}

@@ -20,6 +20,7 @@ pub struct RunArgs {
         "health_ca", "health_cert", "health_key", "health_server_name", "health_interval",
         "health_down_interval", "health_timeout", "rise", "fall", "connect_failures",
         "k3s_state", "endpointslices", "endpointslice_port", "kubeconfig", "slow_start",
+        "rebalance", "rebalance_tolerance", "rebalance_after", "rebalance_rate",
     ])]
     config: Option<PathBuf>,
     /// VIP that clients connect to (repeatable; IPv4 and IPv6 may share a service).
@@ -57,6 +58,21 @@ pub struct RunArgs {
     /// tables [default: off].
     #[arg(long, value_name = "DURATION")]
     slow_start: Option<String>,
+    /// Close connections on the most loaded backends (idlest first) while
+    /// the live counts stay out of balance, so that clients reconnect to
+    /// the others [default: off].
+    #[arg(long)]
+    rebalance: bool,
+    /// Out of balance when max/mean of live connections > 1 + this
+    /// [default: 0.2].
+    #[arg(long, value_name = "RATIO")]
+    rebalance_tolerance: Option<f64>,
+    /// How long the imbalance must last before acting [default: 10s].
+    #[arg(long, value_name = "DURATION")]
+    rebalance_after: Option<String>,
+    /// Connections closed per second at most [default: 5].
+    #[arg(long, value_name = "N")]
+    rebalance_rate: Option<i64>,
     /// Health probe: tcp, tls, http[:PATH], https[:PATH], or a preset
     /// (apiserver = https /readyz, supervisor = https /ping, etcd = https
     /// /health with a client certificate) [default: tcp].
@@ -182,6 +198,10 @@ pub fn run(args: RunArgs) -> super::Outcome {
             endpointslice_port: args.endpointslice_port.clone(),
             kubeconfig: args.kubeconfig.clone(),
             slow_start: args.slow_start.clone(),
+            rebalance: args.rebalance.then_some(true),
+            rebalance_tolerance: args.rebalance_tolerance,
+            rebalance_after: args.rebalance_after.clone(),
+            rebalance_rate: args.rebalance_rate,
         })?,
     };
     // After the config: a bad file is reported the same with or without

@@ -238,6 +238,30 @@ pub struct Service {
     /// connections from about a tenth of its weight to all of it over this
     /// long. None: off.
     pub slow_start: Option<Duration>,
+    /// Rebalancing of long-lived connections (None: off).
+    pub rebalance: Option<Rebalance>,
+}
+
+/// When and how fast a service's connections are rebalanced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rebalance {
+    /// Out of balance when max/mean of the live counts exceeds 1 + this,
+    /// in thousandths (200: 0.2).
+    pub tolerance_permille: u32,
+    /// How long the imbalance must last before connections are closed.
+    pub after: Duration,
+    /// Connections closed per second at most.
+    pub rate: u32,
+}
+
+impl Default for Rebalance {
+    fn default() -> Self {
+        Self {
+            tolerance_permille: 200,
+            after: Duration::from_secs(10),
+            rate: 5,
+        }
+    }
 }
 
 /// A validated configuration: every field was checked.
@@ -347,6 +371,15 @@ impl fmt::Display for Config {
             writeln!(f, "  close-on-failure: {}", service.close_on_failure)?;
             if let Some(slow_start) = service.slow_start {
                 writeln!(f, "  slow-start: {slow_start:?}")?;
+            }
+            if let Some(rebalance) = service.rebalance {
+                writeln!(
+                    f,
+                    "  rebalance: when max/mean > {:.3} for {:?}, at most {}/s",
+                    1.0 + f64::from(rebalance.tolerance_permille) / 1000.0,
+                    rebalance.after,
+                    rebalance.rate
+                )?;
             }
             let health = &service.health;
             writeln!(

@@ -43,6 +43,15 @@ pub struct RawService {
     /// A backend that becomes healthy ramps its share over this long
     /// (default off).
     pub slow_start: Option<String>,
+    /// Close connections on overloaded backends when the live counts stay
+    /// out of balance (default false).
+    pub rebalance: Option<bool>,
+    /// max/mean above 1 + this is out of balance (default 0.2).
+    pub rebalance_tolerance: Option<f64>,
+    /// For this long before acting (default 10s).
+    pub rebalance_after: Option<String>,
+    /// Connections closed per second at most (default 5).
+    pub rebalance_rate: Option<i64>,
 }
 
 /// A backend: `"ADDR:PORT[,weight=N][,preferred][,standby]"` or

@@ -9,8 +9,8 @@ use crate::planner::weight_divisor;
 use lb_common::{MAX_BACKENDS, MAX_TABLES, MAX_VIPS, NAME_LEN, SLOTS_PER_LIST};
 
 use super::{
-    Backend, BackendRole, Discovery, FieldError, NoneHealthyPolicy, RawService, SelectionPolicy,
-    Service, SliceSource, field_error,
+    Backend, BackendRole, Discovery, FieldError, NoneHealthyPolicy, RawService, Rebalance,
+    SelectionPolicy, Service, SliceSource, field_error,
     health::validate_health,
     values::{parse_backend, parse_endpoint, parse_positive_duration},
 };
@@ -136,6 +136,7 @@ pub(super) fn validate_service(
     let slow_start = raw.slow_start.as_deref().and_then(|text| {
         parse_positive_duration(text, &field_name("slow-start", "--slow-start"), errors)
     });
+    let rebalance = validate_rebalance(&raw, &field_name, errors);
     (errors.len() == before).then_some(Service {
         name,
         vips,
@@ -147,7 +148,73 @@ pub(super) fn validate_service(
         health,
         discovery,
         slow_start,
+        rebalance,
     })
+}
+
+/// The rebalance fields: settings only with `rebalance = true`.
+fn validate_rebalance(
+    raw: &RawService,
+    field_name: &dyn Fn(&str, &str) -> String,
+    errors: &mut Vec<FieldError>,
+) -> Option<Rebalance> {
+    let mut settings = Rebalance::default();
+    if let Some(tolerance) = raw.rebalance_tolerance {
+        let field = field_name("rebalance-tolerance", "--rebalance-tolerance");
+        if (0.01..=10.0).contains(&tolerance) {
+            settings.tolerance_permille = (tolerance * 1000.0).round() as u32;
+        } else {
+            errors.push(field_error(
+                field,
+                format!("{tolerance} is out of range 0.01..=10"),
+            ));
+        }
+    }
+    if let Some(text) = &raw.rebalance_after {
+        let field = field_name("rebalance-after", "--rebalance-after");
+        if let Some(after) = parse_positive_duration(text, &field, errors) {
+            settings.after = after;
+        }
+    }
+    if let Some(rate) = raw.rebalance_rate {
+        let field = field_name("rebalance-rate", "--rebalance-rate");
+        match u32::try_from(rate) {
+            Ok(rate) if (1..=1000).contains(&rate) => settings.rate = rate,
+            _ => errors.push(field_error(
+                field,
+                format!("{rate} is out of range 1..=1000"),
+            )),
+        }
+    }
+    if raw.rebalance == Some(true) {
+        return Some(settings);
+    }
+    let given = [
+        (
+            "rebalance-tolerance",
+            "--rebalance-tolerance",
+            raw.rebalance_tolerance.is_some(),
+        ),
+        (
+            "rebalance-after",
+            "--rebalance-after",
+            raw.rebalance_after.is_some(),
+        ),
+        (
+            "rebalance-rate",
+            "--rebalance-rate",
+            raw.rebalance_rate.is_some(),
+        ),
+    ];
+    for (toml, flag, set) in given {
+        if set {
+            errors.push(field_error(
+                field_name(toml, flag),
+                "only applies with rebalance = true (--rebalance)",
+            ));
+        }
+    }
+    None
 }
 
 /// The rules of a file's backends, for a service whose backends discovery

@@ -64,6 +64,7 @@ pub struct Metrics {
     reloads: Family<Labels, Counter>,
     discovery_updates: Family<Labels, Counter>,
     discovery_problems: Family<Labels, Counter>,
+    rebalance_moves: Family<Labels, Counter>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -88,6 +89,7 @@ impl Metrics {
         let reloads = Family::<Labels, Counter>::default();
         let discovery_updates = Family::<Labels, Counter>::default();
         let discovery_problems = Family::<Labels, Counter>::default();
+        let rebalance_moves = Family::<Labels, Counter>::default();
         let build_info = Family::<Labels, Gauge>::default();
         build_info
             .get_or_create(&labels(&[("version", env!("CARGO_PKG_VERSION"))]))
@@ -122,6 +124,11 @@ impl Metrics {
             "Reports of a discovery source that failed or listed no backend; the last known set stayed",
             discovery_problems.clone(),
         );
+        registry.register(
+            "socklb_rebalance_moves",
+            "Connections closed to rebalance a service's backends, by the backend they left",
+            rebalance_moves.clone(),
+        );
         registry.register_collector(Box::new(KernelCollector {
             snapshot: snapshot.clone(),
         }));
@@ -133,7 +140,17 @@ impl Metrics {
             reloads,
             discovery_updates,
             discovery_problems,
+            rebalance_moves,
         }
+    }
+
+    pub fn rebalanced(&self, service: &str, backend: SocketAddr, count: usize) {
+        self.rebalance_moves
+            .get_or_create(&labels(&[
+                ("service", service),
+                ("backend", &backend.to_string()),
+            ]))
+            .inc_by(count as u64);
     }
 
     pub fn transition(&self, service: &str, backend: SocketAddr, healthy: bool) {

@@ -9,6 +9,7 @@
 pub mod control;
 pub mod metrics;
 pub mod passive;
+pub mod rebalance;
 mod reload;
 pub mod state;
 mod verify;
@@ -176,6 +177,28 @@ fn close_connections(maps: &dataplane::BpfMaps, addr: SocketAddr) {
     }
 }
 
+/// Closes up to `count` of the connections socklb sent to `addr`, idlest
+/// first. Returns how many it closed.
+fn close_idlest(maps: &dataplane::BpfMaps, addr: SocketAddr, count: usize) -> usize {
+    let target = endpoint(&addr);
+    let Some(storage) = maps.fd(names::SOCKETS) else {
+        warn!("{addr}: cannot rebalance its connections: the socket storage map is not open");
+        return 0;
+    };
+    let result = tokio::task::block_in_place(|| {
+        sockets::destroy_idlest(addr, storage, count, |cookie| {
+            maps.legacy_redirected_to(cookie, &target)
+        })
+    });
+    match result {
+        Ok(report) => report.destroyed,
+        Err(error) => {
+            warn!("{addr}: closing connections to rebalance failed: {error}");
+            0
+        }
+    }
+}
+
 struct Signals {
     terminate: Signal,
     interrupt: Signal,
@@ -219,6 +242,7 @@ struct Daemon {
     next_loop_id: u64,
     reports_tx: mpsc::Sender<ProbeReport>,
     confirmer: Confirmer,
+    rebalancer: rebalance::Rebalancer,
     record: DaemonRecord,
     verifier: verify::Verifier,
     features: Features,
@@ -405,6 +429,7 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
         next_loop_id: 0,
         reports_tx,
         confirmer: Confirmer::default(),
+        rebalancer: rebalance::Rebalancer::default(),
         verifier: verify::Verifier::default(),
         features,
         metrics,
@@ -668,6 +693,7 @@ impl Daemon {
                 _ = tick.tick() => {
                     self.beat();
                     self.advance_ramps();
+                    self.rebalance();
                     self.verify_and_repair();
                 }
                 _ = signals.terminate.recv() => { info!("SIGTERM"); break; }
@@ -722,6 +748,109 @@ impl Daemon {
                 .record_probe(report.backend_id, &report.outcome, &words);
         if transition.is_some() || newly_settled {
             self.apply(report.backend_id, transition, false);
+        }
+    }
+
+    /// One look at each table that rebalances (see `rebalance.rs`).
+    fn rebalance(&mut self) {
+        let now = Instant::now();
+        let tables: Vec<_> = self
+            .owner
+            .layout()
+            .tables
+            .iter()
+            .filter_map(|table| Some((table.clone(), table.rebalance?)))
+            .collect();
+        for (table, settings) in tables {
+            // The backends that share the load: the best tier that is not
+            // standby.
+            let tier = table
+                .backends
+                .iter()
+                .map(|backend| backend.tier)
+                .filter(|tier| *tier != planner::Tier::Standby)
+                .min();
+            let members: Vec<_> = table
+                .backends
+                .iter()
+                .filter(|backend| Some(backend.tier) == tier)
+                .collect();
+            let whole = members.iter().all(|backend| {
+                let health = self.owner.health(backend.id);
+                health.healthy && !health.draining && self.owner.ramp_step(backend.id).is_none()
+            });
+            let ids: Vec<u32> = members.iter().map(|backend| backend.id).collect();
+            if !whole {
+                self.rebalancer.pause(table.table_id);
+                if self.owner.steer(&ids, false) {
+                    self.owner.write(&mut self.running.maps);
+                }
+                continue;
+            }
+            let live: Vec<rebalance::Member> = members
+                .iter()
+                .map(|backend| rebalance::Member {
+                    id: backend.id,
+                    live: u64::try_from(self.running.maps.connections(backend.id).live)
+                        .unwrap_or(0),
+                })
+                .collect();
+            let counts = || {
+                live.iter()
+                    .map(|member| member.live.to_string())
+                    .collect::<Vec<_>>()
+                    .join("/")
+            };
+            match self.rebalancer.step(table.table_id, settings, &live, now) {
+                rebalance::Step::Nothing => {}
+                rebalance::Step::Start { ratio, needed } => {
+                    info!(
+                        "rebalance: {}: live {} (max/mean {ratio:.2} > {:.2} for {:?}): moving {needed} connections, at most {}/s, idlest first",
+                        table.service,
+                        counts(),
+                        1.0 + f64::from(settings.tolerance_permille) / 1000.0,
+                        settings.after,
+                        settings.rate
+                    );
+                    // New connects (the closed ones reconnecting) go to
+                    // the others while the episode lasts.
+                    let over: Vec<u32> =
+                        rebalance::excess(&live).iter().map(|&(id, _)| id).collect();
+                    if self.owner.steer(&over, true) {
+                        self.owner.write(&mut self.running.maps);
+                    }
+                }
+                rebalance::Step::Balanced { moved, needed } => {
+                    info!(
+                        "rebalance: {}: in balance again (live {}) after {moved} moves ({needed} needed)",
+                        table.service,
+                        counts()
+                    );
+                    if self.owner.steer(&ids, false) {
+                        self.owner.write(&mut self.running.maps);
+                    }
+                }
+                rebalance::Step::Close(closes) => {
+                    for (backend_id, count) in closes {
+                        let Some(backend) = table.backends.iter().find(|b| b.id == backend_id)
+                        else {
+                            continue;
+                        };
+                        let destroyed = close_idlest(&self.running.maps, backend.addr, count);
+                        self.rebalancer.moved(table.table_id, destroyed);
+                        if destroyed > 0 {
+                            self.metrics
+                                .rebalanced(&table.service, backend.addr, destroyed);
+                            info!(
+                                "rebalance: {}: closed {destroyed} idle connections to {} (live {})",
+                                table.service,
+                                backend.addr,
+                                counts()
+                            );
+                        }
+                    }
+                }
+            }
         }
     }
 

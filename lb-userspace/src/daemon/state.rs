@@ -98,6 +98,10 @@ pub struct Owner {
     layout: Layout,
     /// Backends in slow start, by id.
     ramps: HashMap<u32, Ramp>,
+    /// Overloaded backends of a table being rebalanced: planned at the
+    /// first slow-start step, so that the clients whose connections were
+    /// closed reconnect to the others.
+    steered: HashSet<u32>,
     trackers: HashMap<u32, HealthTracker>,
     /// Backends `socklb drain` asked to drain, by address.
     requested_drains: BTreeSet<Endpoint>,
@@ -121,6 +125,7 @@ impl Owner {
         let mut owner = Self {
             layout,
             ramps: HashMap::new(),
+            steered: HashSet::new(),
             trackers,
             requested_drains: BTreeSet::new(),
             draining: HashSet::new(),
@@ -244,6 +249,8 @@ impl Owner {
             }
         }
         changes.removed.sort();
+        // Rebalancing starts over with the new layout.
+        self.steered.clear();
         // A ramp follows its backend to a new id; a service whose slow
         // start is now off ends its ramps.
         let ramps = std::mem::take(&mut self.ramps);
@@ -307,7 +314,11 @@ impl Owner {
         let contents = plan_ramped(
             &self.layout,
             |id| self.is_healthy(id) && !self.draining.contains(&id),
-            |id| self.ramps.get(&id).map(|ramp| ramp.step),
+            |id| {
+                let ramp = self.ramps.get(&id).map(|ramp| ramp.step);
+                let steer = self.steered.contains(&id).then_some(1);
+                ramp.into_iter().chain(steer).min()
+            },
         );
         Desired::build(
             &self.layout,
@@ -388,6 +399,20 @@ impl Owner {
                 },
             );
         }
+    }
+
+    /// Steers new connections away from `ids` (on), or stops (off).
+    /// Returns whether anything changed: the tables must be written.
+    pub fn steer(&mut self, ids: &[u32], on: bool) -> bool {
+        let mut changed = false;
+        for id in ids {
+            changed |= if on {
+                self.steered.insert(*id)
+            } else {
+                self.steered.remove(id)
+            };
+        }
+        changed
     }
 
     /// The slow start step of a backend (1..RAMP_STEPS), if it ramps.

@@ -9,11 +9,14 @@
 //! `--hold` opens COUNT connections at once (a connect that hangs delays
 //! no other) and keeps them all open for HOLD_MS, reading; it prints one JSON line per connection saying how it ended:
 //! "open" (still open at the end), "eof", or "error" with the errno (an
-//! ECONNABORTED is a connection socklb closed).
+//! ECONNABORTED is a connection socklb closed). With `--reconnect` it is a
+//! well-behaved long-lived client: a connection that ends is opened again
+//! at once through the same address (one retry), and the line counts the
+//! reconnects.
 //!
 //! Usage: connclient (--abort | --hold) --addr ADDR:PORT [--cgroup DIR]
 //!                   [--count N] [--ttl T] [--abort-ms MS] [--hold-ms MS]
-//!                   [--until-stdin-closes]
+//!                   [--until-stdin-closes] [--reconnect]
 
 use std::{
     io::{ErrorKind, Read, Write},
@@ -36,6 +39,8 @@ struct Args {
     hold: Duration,
     /// End the hold early when stdin closes.
     until_stdin_closes: bool,
+    /// Open a connection that ends again.
+    reconnect: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -48,6 +53,7 @@ fn parse_args() -> Result<Args, String> {
         abort_after: Duration::from_millis(50),
         hold: Duration::from_secs(1),
         until_stdin_closes: false,
+        reconnect: false,
     };
     let mut mode = None;
     let mut words = std::env::args().skip(1);
@@ -67,6 +73,7 @@ fn parse_args() -> Result<Args, String> {
             "--abort-ms" => args.abort_after = Duration::from_millis(number(value()?)?),
             "--hold-ms" => args.hold = Duration::from_millis(number(value()?)?),
             "--until-stdin-closes" => args.until_stdin_closes = true,
+            "--reconnect" => args.reconnect = true,
             other => return Err(format!("unknown argument {other}")),
         }
     }
@@ -168,6 +175,8 @@ struct Held {
     held_ms: u64,
     /// What getpeername says at the end, for a connection still open.
     peer: Option<String>,
+    /// Connections opened again after one ended (with `--reconnect`).
+    reconnects: u32,
 }
 
 /// Threads that connect at once: a connect that hangs delays no other, and
@@ -176,7 +185,7 @@ const CONNECTING_THREADS: u32 = 32;
 
 fn hold(args: &Args) -> Vec<Held> {
     let per_thread = args.count.div_ceil(CONNECTING_THREADS);
-    let streams: Vec<Result<TcpStream, std::io::Error>> = std::thread::scope(|scope| {
+    let mut streams: Vec<Result<TcpStream, std::io::Error>> = std::thread::scope(|scope| {
         let connects: Vec<_> = (0..CONNECTING_THREADS)
             .map(|thread| {
                 let count = per_thread.min(args.count.saturating_sub(thread * per_thread));
@@ -201,9 +210,11 @@ fn hold(args: &Args) -> Vec<Held> {
                 errno: error.raw_os_error(),
                 held_ms: 0,
                 peer: None,
+                reconnects: 0,
             })
         })
         .collect();
+    let mut reconnects = vec![0u32; streams.len()];
     // poll(2) on every open connection until the hold ends: a readable one
     // has data, an end of file, or an error.
     let mut polled: Vec<libc::pollfd> = streams
@@ -235,21 +246,27 @@ fn hold(args: &Args) -> Vec<Held> {
             continue;
         }
         let held_ms = started.elapsed().as_millis() as u64;
-        for ((entry, stream), end) in polled.iter_mut().zip(&streams).zip(ends.iter_mut()) {
+        for (index, ((entry, stream), end)) in polled
+            .iter_mut()
+            .zip(streams.iter_mut())
+            .zip(ends.iter_mut())
+            .enumerate()
+        {
             if entry.revents == 0 || entry.fd < 0 {
                 continue;
             }
-            let Ok(mut stream) = stream.as_ref() else {
+            let Ok(mut current) = stream.as_ref() else {
                 continue;
             };
-            let _ = stream.set_nonblocking(true);
+            let _ = current.set_nonblocking(true);
             let mut buffer = [0u8; 256];
-            *end = match stream.read(&mut buffer) {
+            *end = match current.read(&mut buffer) {
                 Ok(0) => Some(Held {
                     end: "eof".into(),
                     errno: None,
                     held_ms,
                     peer: None,
+                    reconnects: 0,
                 }),
                 Ok(_) => None,
                 Err(error) if error.kind() == ErrorKind::WouldBlock => None,
@@ -258,8 +275,20 @@ fn hold(args: &Args) -> Vec<Held> {
                     errno: error.raw_os_error(),
                     held_ms,
                     peer: None,
+                    reconnects: 0,
                 }),
             };
+            if end.is_some() && args.reconnect {
+                // A well-behaved client: open it again, retrying once.
+                let again = TcpStream::connect_timeout(&args.addr, Duration::from_secs(2))
+                    .or_else(|_| TcpStream::connect_timeout(&args.addr, Duration::from_secs(2)));
+                if let Ok(again) = again {
+                    entry.fd = again.as_raw_fd();
+                    *stream = Ok(again);
+                    reconnects[index] += 1;
+                    *end = None;
+                }
+            }
             if end.is_some() {
                 entry.fd = -1;
             }
@@ -269,8 +298,11 @@ fn hold(args: &Args) -> Vec<Held> {
     let held_ms = started.elapsed().as_millis() as u64;
     ends.into_iter()
         .zip(&streams)
-        .map(|(end, stream)| {
+        .zip(reconnects)
+        .map(|((end, stream), reconnects)| {
+            let end = end.map(|end| Held { reconnects, ..end });
             end.unwrap_or_else(|| Held {
+                reconnects,
                 end: "open".into(),
                 errno: None,
                 held_ms,

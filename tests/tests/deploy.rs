@@ -356,3 +356,28 @@ fn socklb_runs_as_nobody_with_exactly_the_daemonsets_capabilities() {
             .join(" + ")
     ));
 }
+
+#[test]
+fn the_daemon_tells_systemd_when_it_redirects() {
+    require_root();
+    // The unit is Type=notify: a socket like systemd's NOTIFY_SOCKET.
+    let dir = NobodyDir::new("notify");
+    let socket_path = dir.0.join("notify");
+    let socket = std::os::unix::net::UnixDatagram::bind(&socket_path).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let cgroup = Cgroup::new("notify");
+    let backend = Backend::start("b0", "127.0.0.2");
+    let vip = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let args = service_args(&cgroup.path, &[vip], &[backend.addr], &[]);
+    let pin_path = PathBuf::from("/sys/fs/bpf").join(unique_name("notify"));
+    let notify = socket_path.display().to_string();
+    let _daemon = Daemon::start_with("notify", &args, pin_path, &[("NOTIFY_SOCKET", &notify)]);
+    let mut message = [0u8; 64];
+    let size = socket.recv(&mut message).expect("READY=1 within 20 s");
+    assert_eq!(&message[..size], b"READY=1");
+    // Ready means redirecting.
+    let served = spread(&ClientRun::new(vip, Some(&cgroup.path), 5).run());
+    assert_eq!(served.get("b0"), Some(&5), "{served:?}");
+}

@@ -460,6 +460,22 @@ fn metrics_agree_with_status() {
     daemon.wait_health(&[b1.addr], false, Duration::from_secs(10));
     daemon.signal(libc::SIGHUP);
     assert!(daemon.log_shows("is unchanged", Duration::from_secs(5)));
+    // Someone else changes a setting: the repair is counted by kind.
+    {
+        use socklb::dataplane::{BpfMaps, MapStore, PinPaths};
+        let mut store =
+            BpfMaps::open_pinned(&PinPaths::new(&daemon.pin_path)).expect("the pinned maps");
+        let settings = store.settings().expect("settings");
+        store
+            .put_settings(&lb_common::Settings {
+                host_netns_cookie: 1,
+                ..settings
+            })
+            .expect("tamper");
+    }
+    daemon.wait_for("the settings repaired", Duration::from_secs(10), |status| {
+        status["data_plane"]["repairs_by_kind"]["settings"].as_u64() == Some(1)
+    });
 
     // Nothing moves now: no traffic, b1 stays down.
     let status = daemon.status().unwrap();
@@ -520,7 +536,9 @@ fn metrics_agree_with_status() {
         sample(&samples, "socklb_service_rejected_total{service=\"api\"}"),
         service["rejected"].as_f64().unwrap()
     );
-    for (kind, count) in status["data_plane"]["repairs_by_kind"].as_object().unwrap() {
+    let repairs = status["data_plane"]["repairs_by_kind"].as_object().unwrap();
+    assert!(!repairs.is_empty(), "the settings repair: {repairs:?}");
+    for (kind, count) in repairs {
         assert_eq!(
             sample(
                 &samples,

@@ -30,6 +30,13 @@ struct Flags {
     rise: Option<i64>,
     fall: Option<i64>,
     connect_failures: Option<i64>,
+    endpointslices: Option<String>,
+    endpointslice_port: Option<String>,
+    slow_start: Option<String>,
+    rebalance: Option<bool>,
+    rebalance_tolerance: Option<f64>,
+    rebalance_after: Option<String>,
+    rebalance_rate: Option<i64>,
 }
 
 const PATHS: [&str; 4] = ["/nonexistent/socklb.pem", "/dev/zero", "/tmp", "/proc/self/status"];
@@ -63,6 +70,15 @@ fuzz_target!(|flags: Flags| {
             fall: flags.fall,
             connect_failures: flags.connect_failures,
         },
+        k3s_state: None,
+        endpointslices: flags.endpointslices,
+        endpointslice_port: flags.endpointslice_port,
+        kubeconfig: None,
+        slow_start: flags.slow_start,
+        rebalance: flags.rebalance,
+        rebalance_tolerance: flags.rebalance_tolerance,
+        rebalance_after: flags.rebalance_after,
+        rebalance_rate: flags.rebalance_rate,
     };
     if let Ok(config) = from_flags(raw) {
         let _ = config.to_string();

@@ -119,7 +119,7 @@ pub struct RunArgs {
     #[arg(long, value_name = "N")]
     connect_failures: Option<i64>,
     /// Follow a k3s/rke2 agent load-balancer state file (for example
-    /// /var/lib/rancher/k3s/agent/etc/k3s-api-server-agent-load-balancer.json):
+    /// /var/lib/rancher/k3s/agent/etc/k3s-agent-load-balancer.json):
     /// its servers become backends, its default server a standby when it is
     /// not listed.
     #[arg(long, value_name = "FILE")]

@@ -35,6 +35,8 @@ use crate::status::StatusReport;
 
 type Labels = Vec<(String, String)>;
 
+/// The kernel is read for a scrape at most this often.
+const MIN_REFRESH: Duration = Duration::from_secs(1);
 /// Connections the endpoint serves at once; more wait.
 const MAX_CONNECTIONS: usize = 8;
 /// How long one connection may take, request and answer.
@@ -59,6 +61,8 @@ fn probe_histogram() -> Histogram {
 pub struct Metrics {
     registry: Arc<Registry>,
     snapshot: Arc<Mutex<Option<StatusReport>>>,
+    /// When the event loop last read the kernel for a scrape.
+    refreshed: Arc<Mutex<Option<std::time::Instant>>>,
     transitions: Family<Labels, Counter>,
     probe_duration: Family<Labels, Histogram, fn() -> Histogram>,
     reloads: Family<Labels, Counter>,
@@ -135,6 +139,7 @@ impl Metrics {
         Self {
             registry: Arc::new(registry),
             snapshot,
+            refreshed: Arc::new(Mutex::new(None)),
             transitions,
             probe_duration,
             reloads,
@@ -397,9 +402,23 @@ async fn answer(
     }
     match request.uri().path() {
         "/metrics" => {
-            let (done, fresh) = oneshot::channel();
-            if refresh.send(done).await.is_ok() {
-                let _ = tokio::time::timeout(REFRESH_TIMEOUT, fresh).await;
+            // At most one reading of the kernel a second, however often
+            // (and by however many local clients) the endpoint is asked.
+            let stale = metrics.refreshed.lock().is_ok_and(|mut refreshed| {
+                let stale = refreshed.is_none_or(|at| at.elapsed() >= MIN_REFRESH);
+                if stale {
+                    *refreshed = Some(std::time::Instant::now());
+                }
+                stale
+            });
+            if stale {
+                let (done, fresh) = oneshot::channel();
+                let _ = tokio::time::timeout(REFRESH_TIMEOUT, async {
+                    if refresh.send(done).await.is_ok() {
+                        let _ = fresh.await;
+                    }
+                })
+                .await;
             }
             reply(
                 StatusCode::OK,

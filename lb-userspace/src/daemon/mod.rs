@@ -109,7 +109,6 @@ struct ProbedBackend {
     success_words: String,
     /// Set by the loop while the backend is down; read by its probe loop.
     down: watch::Sender<bool>,
-    close_on_failure: bool,
     /// Failed connects in a row that start a confirming probe (0: never).
     connect_failures: u32,
 }
@@ -320,18 +319,29 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
             );
         }
     }
-    let (effective, waiting) = discovery::effective_config(&options.config, &sources);
+    let (mut effective, mut waiting) = discovery::effective_config(&options.config, &sources);
+    if let Err(error) = config::check_effective(&effective) {
+        // A persisted or discovered set that does not fit must not keep
+        // the daemon from starting: start from the configuration alone;
+        // the sources answer again shortly.
+        warn!(
+            "the persisted and discovered backends do not fit, starting from the configuration alone: {}",
+            errors::chain(&error)
+        );
+        sources = reload::plan_sources(&options.config, &BTreeMap::new(), &options.config);
+        (effective, waiting) = discovery::effective_config(&options.config, &sources);
+        config::check_effective(&effective).map_err(|error| {
+            DaemonError::Overlap(format!(
+                "the configuration does not fit: {}",
+                errors::chain(&error)
+            ))
+        })?;
+    }
     for name in &waiting {
         warn!(
             "{name}: no source has given a backend yet; its VIPs pass through untouched until one does"
         );
     }
-    config::check_effective(&effective).map_err(|error| {
-        DaemonError::Overlap(format!(
-            "the discovered backends do not fit: {}",
-            errors::chain(&error)
-        ))
-    })?;
     let layout = Layout::from_config(&effective, is_local_address);
     if !options.allow_overlap {
         refuse_overlap(&paths, &cgroup, &layout)?;
@@ -389,6 +399,9 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
     // Loading parsed the kernel's BTF and the object (megabytes, now
     // freed): give that memory back to the system.
     trim_heap();
+    // Under systemd (Type=notify), the units ordered after socklb start
+    // now: the hook is attached and redirects.
+    notify_ready();
     let (reports_tx, reports) = mpsc::channel::<ProbeReport>(1024);
     let (discovery_tx, discovery_rx) = mpsc::channel::<SourceEvent>(256);
     let (refresh_tx, refresh) = mpsc::channel::<metrics::Refresh>(16);
@@ -468,6 +481,27 @@ pub fn limit_heap() {
     unsafe {
         libc::mallopt(libc::M_ARENA_MAX, 2);
         libc::mallopt(libc::M_TRIM_THRESHOLD, 128 * 1024);
+    }
+}
+
+/// Tells systemd the daemon is ready (`READY=1` to `$NOTIFY_SOCKET`), if
+/// it asked. A failure is logged; the daemon runs on.
+fn notify_ready() {
+    use std::os::linux::net::SocketAddrExt;
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
+        return;
+    };
+    let sent = (|| {
+        let socket = std::os::unix::net::UnixDatagram::unbound()?;
+        let bytes = std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str());
+        let addr = match bytes.strip_prefix(b"@") {
+            Some(name) => std::os::unix::net::SocketAddr::from_abstract_name(name)?,
+            None => std::os::unix::net::SocketAddr::from_pathname(&path)?,
+        };
+        socket.send_to_addr(b"READY=1", &addr)
+    })();
+    if let Err(error) = sent {
+        warn!("telling systemd the daemon is ready: {error}");
     }
 }
 
@@ -596,7 +630,6 @@ impl Daemon {
                 prober,
                 timeout: table.health.timeout,
                 down,
-                close_on_failure: table.close_on_failure,
                 connect_failures: table.health.connect_failures,
             },
         );
@@ -918,7 +951,13 @@ impl Daemon {
             return;
         }
         let went_down = transition.is_some_and(|transition| !transition.healthy);
-        if went_down && backend.close_on_failure && self.features.sock_destroy {
+        // From the layout in force (a reload may have changed it since the
+        // probe loop started).
+        let close_on_failure = self
+            .owner
+            .backend(backend_id)
+            .is_some_and(|(table, _)| table.close_on_failure);
+        if went_down && close_on_failure && self.features.sock_destroy {
             close_connections(&self.running.maps, backend.addr);
         }
     }

@@ -161,12 +161,16 @@ pub(super) fn watch_file(
         // The file itself, or `..data`: a Kubernetes ConfigMap volume
         // swaps that symlink to publish a new version, and the file (a
         // symlink into it) never changes itself.
+        // An event without paths (the kernel's queue overflowed, a
+        // rescan) may hide a change: read the file again.
         let ours = event.as_ref().map_or(true, |event| {
-            discovery::is_content_change(event)
-                && event.paths.iter().any(|path| {
-                    let file = path.file_name();
-                    file == name.as_deref() || file.is_some_and(|file| file == "..data")
-                })
+            event.paths.is_empty()
+                || event.need_rescan()
+                || (discovery::is_content_change(event)
+                    && event.paths.iter().any(|path| {
+                        let file = path.file_name();
+                        file == name.as_deref() || file.is_some_and(|file| file == "..data")
+                    }))
         });
         if ours {
             let _ = changed.send(());
@@ -234,6 +238,7 @@ impl Daemon {
         let Some(sources) = self.sources.get_mut(&event.service) else {
             return;
         };
+        let before = sources.clone();
         let outcome = sources.report(event.source, event.report);
         if let Some(problem) = outcome.problem {
             warn!("discovery: {}: {problem}", event.service);
@@ -250,6 +255,9 @@ impl Daemon {
                 "discovery: {}: the new set cannot be applied; the tables stay as they are: {message}",
                 event.service
             );
+            // Back to what is in force, so that the next event of any
+            // service does not fail on this one again.
+            self.sources.insert(event.service.clone(), before);
         }
     }
 
@@ -276,8 +284,19 @@ impl Daemon {
         }
         config::check_effective(&effective).map_err(|error| errors::chain(&error))?;
         let layout = Layout::from_config(&effective, is_local_address);
-        refuse_overlap(&self.paths, self.running.attachment.cgroup(), &layout)
-            .map_err(|error| errors::chain(&error))?;
+        // Another install is looked for again only when the VIPs change,
+        // and not at all under --allow-overlap.
+        let vips = |config: &Config| -> std::collections::BTreeSet<std::net::SocketAddr> {
+            config
+                .services
+                .iter()
+                .flat_map(|service| service.vips.iter().copied())
+                .collect()
+        };
+        if !self.options.allow_overlap && vips(&effective) != vips(&self.effective) {
+            refuse_overlap(&self.paths, self.running.attachment.cgroup(), &layout)
+                .map_err(|error| errors::chain(&error))?;
+        }
         let known = super::state::known_ids(&self.running.maps)
             .map_err(|error| format!("reading the pinned ids: {}", errors::chain(&error)))?;
         let layout = Layout::keeping(&effective, is_local_address, &known);
@@ -350,7 +369,12 @@ impl Daemon {
             .iter()
             .filter_map(|(name, sources)| {
                 let (source, set) = sources.effective()?;
-                matches!(source, Source::EndpointSlices | Source::K3sState).then(|| {
+                // A service still on its persisted set keeps it in the file.
+                matches!(
+                    source,
+                    Source::EndpointSlices | Source::K3sState | Source::Persisted
+                )
+                .then(|| {
                     (
                         name.clone(),
                         Persisted {

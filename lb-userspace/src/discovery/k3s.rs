@@ -80,13 +80,22 @@ pub async fn parse(text: &str) -> Result<BackendSet, String> {
     let state: StateFile =
         serde_json::from_str(text).map_err(|error| format!("not a k3s state file: {error}"))?;
     let mut set = BackendSet::new();
+    let mut unresolved = Vec::new();
     for address in state.server_addresses.iter().flatten() {
-        for addr in resolve(address).await? {
-            set.insert(Found {
+        // One name that does not resolve leaves the others in the set.
+        match resolve(address).await {
+            Ok(addrs) => set.extend(addrs.into_iter().map(|addr| Found {
                 addr,
                 standby: false,
-            });
+            })),
+            Err(error) => unresolved.push(error),
         }
+    }
+    if !unresolved.is_empty() {
+        if set.is_empty() {
+            return Err(unresolved.join("; "));
+        }
+        tracing::warn!("k3s state file: left out: {}", unresolved.join("; "));
     }
     if let Some(url) = state.server_url.as_deref().filter(|url| !url.is_empty()) {
         let authority =
@@ -117,7 +126,12 @@ pub async fn read(path: &Path) -> Report {
 
 fn read_bounded(path: &Path) -> std::io::Result<String> {
     use std::io::Read;
-    let file = std::fs::File::open(path)?;
+    use std::os::unix::fs::OpenOptionsExt;
+    // Never blocking on a FIFO put in its place.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)?;
     if !file.metadata()?.is_file() {
         return Err(std::io::Error::other("not a regular file"));
     }

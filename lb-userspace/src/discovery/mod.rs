@@ -239,6 +239,12 @@ pub fn effective_config(
 ) -> (Config, Vec<String>) {
     let mut services = Vec::new();
     let mut waiting = Vec::new();
+    // A discovered address that is a VIP would be redirected again.
+    let vips: BTreeSet<SocketAddr> = base
+        .services
+        .iter()
+        .flat_map(|service| service.vips.iter().copied())
+        .collect();
     for service in &base.services {
         let Some((_, set)) = sources
             .get(&service.name)
@@ -249,6 +255,17 @@ pub fn effective_config(
         };
         let mut backends: Vec<Backend> = set
             .iter()
+            .filter(|found| {
+                let is_vip = vips.contains(&found.addr);
+                if is_vip {
+                    tracing::warn!(
+                        "{}: discovery lists {}, a VIP of socklb; left out (it would loop)",
+                        service.name,
+                        found.addr
+                    );
+                }
+                !is_vip
+            })
             .filter(|found| {
                 service
                     .vips

@@ -76,11 +76,44 @@ impl StateDir {
         self.dir.join(FILE_NAME)
     }
 
+    /// Refuses a directory (or a file in it) that another user owns or
+    /// that others can write: whoever can write there could plant the set
+    /// a restarted daemon redirects to.
+    fn check_owner(path: &Path, metadata: &fs::Metadata) -> Result<(), PersistError> {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        // SAFETY: geteuid has no preconditions.
+        let euid = unsafe { libc::geteuid() };
+        let mode = metadata.permissions().mode();
+        if metadata.uid() != euid || mode & 0o022 != 0 {
+            return Err(PersistError::Foreign {
+                path: path.display().to_string(),
+                why: format!(
+                    "owned by uid {} with mode {:o}; it must be uid {euid}'s and writable by it alone",
+                    metadata.uid(),
+                    mode & 0o7777
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// The persisted sets; empty when there is no file yet.
     pub fn load(&self) -> Result<BTreeMap<String, Persisted>, PersistError> {
         use std::io::Read;
+        match fs::symlink_metadata(&self.dir) {
+            Ok(metadata) => Self::check_owner(&self.dir, &metadata)?,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+                return Ok(BTreeMap::new());
+            }
+            Err(error) => return Err(io_error(&self.dir, error)),
+        }
         let path = self.file();
-        let file = match fs::File::open(&path) {
+        // Not through a symlink, and never blocking on a FIFO.
+        let opened = fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+            .open(&path);
+        let file = match opened {
             Ok(file) => file,
             Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
                 return Ok(BTreeMap::new());
@@ -95,6 +128,7 @@ impl StateDir {
         if !metadata.is_file() {
             return Err(foreign("not a regular file".into()));
         }
+        Self::check_owner(&path, &metadata)?;
         let mut text = String::new();
         file.take(MAX_BYTES + 1)
             .read_to_string(&mut text)
@@ -120,6 +154,9 @@ impl StateDir {
             .mode(0o700)
             .create(&self.dir)
             .map_err(|error| io_error(&self.dir, error))?;
+        let metadata =
+            fs::symlink_metadata(&self.dir).map_err(|error| io_error(&self.dir, error))?;
+        Self::check_owner(&self.dir, &metadata)?;
         let state = StateFile {
             format: FORMAT.into(),
             version: VERSION,
@@ -132,10 +169,13 @@ impl StateDir {
             .dir
             .join(format!(".{FILE_NAME}.{}.tmp", std::process::id()));
         let written = (|| {
+            // A file left by a crash of a daemon with the same pid goes;
+            // then a new one, never one that exists or a symlink.
+            let _ = fs::remove_file(&temporary);
             let mut file = fs::OpenOptions::new()
                 .write(true)
-                .create(true)
-                .truncate(true)
+                .create_new(true)
+                .custom_flags(libc::O_NOFOLLOW)
                 .mode(0o600)
                 .open(&temporary)?;
             file.write_all(text.as_bytes())?;
@@ -187,6 +227,17 @@ mod tests {
         assert_eq!(mode, 0o600);
         let leftovers = fs::read_dir(&dir).unwrap().count();
         assert_eq!(leftovers, 1, "no temporary file stays");
+
+        // A directory others can write is not trusted, for reading or
+        // writing; nor a symlink in place of the file.
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o777)).unwrap();
+        let refused = state.load().unwrap_err().to_string();
+        assert!(refused.contains("writable by it alone"), "{refused}");
+        assert!(state.save(&services).is_err());
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o700)).unwrap();
+        fs::remove_file(state.file()).unwrap();
+        std::os::unix::fs::symlink("/etc/hostname", state.file()).unwrap();
+        assert!(state.load().is_err(), "a symlink is not followed");
         fs::remove_dir_all(&dir).unwrap();
     }
 

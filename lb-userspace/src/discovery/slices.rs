@@ -1,9 +1,11 @@
 //! The EndpointSlices of a Kubernetes Service (by default
 //! `default/kubernetes`, port `https`: the apiservers themselves), watched
 //! with kube-runtime's watcher. The watcher lists, then watches from the
-//! list's resourceVersion; when a watch ends it resumes, and when the
-//! server answers 410 Gone (or anything fails) it lists again, after an
-//! exponential backoff. Each change of the ready endpoints is reported.
+//! list's resourceVersion; when a watch ends normally it resumes from the
+//! last version. When anything fails (410 Gone, a refused connection, an
+//! expired certificate), everything starts over after an exponential
+//! backoff: a new client, a new list. Each change of the ready endpoints
+//! is reported.
 
 use std::{collections::BTreeMap, net::IpAddr, net::SocketAddr};
 
@@ -12,7 +14,7 @@ use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::{
     Api, Client,
     config::{KubeConfigOptions, Kubeconfig},
-    runtime::{WatchStreamExt, watcher},
+    runtime::watcher,
 };
 use tokio::sync::mpsc;
 use tracing::{debug, info};
@@ -78,7 +80,13 @@ async fn client(spec: &SliceSource) -> Result<Client, String> {
     Client::try_from(config).map_err(|error| format!("Kubernetes client: {error}"))
 }
 
-/// Watches until `events` is closed.
+/// Longest wait between two attempts after a failure.
+const MAX_BACKOFF: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Watches until `events` is closed. Any failure starts over after a
+/// backoff (1 s, doubling to 30 s): a new client (a rotated client
+/// certificate is read again), a new list, then the watch. So a source
+/// that failed says so once, and says it recovered with its first list.
 pub async fn follow(service: String, spec: SliceSource, events: mpsc::Sender<SourceEvent>) {
     let send = |report: Report| {
         let event = SourceEvent {
@@ -89,66 +97,88 @@ pub async fn follow(service: String, spec: SliceSource, events: mpsc::Sender<Sou
         let events = events.clone();
         async move { events.send(event).await.is_ok() }
     };
-    let client = loop {
-        match client(&spec).await {
-            Ok(client) => break client,
-            Err(error) => {
-                if !send(Report::Failed(error)).await {
-                    return;
-                }
-                // A kubeconfig that appears later (the kubelet writes it
-                // after bootstrap) is picked up.
-                tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+    let mut backoff = std::time::Duration::from_secs(1);
+    let mut last: Option<Report> = None;
+    loop {
+        let failure = match client(&spec).await {
+            Ok(client) => watch(&service, &spec, client, &mut last, &send, &mut backoff).await,
+            Err(error) => Some(error),
+        };
+        let Some(failure) = failure else {
+            return;
+        };
+        debug!("{service}: EndpointSlice watch: {failure}");
+        let report = Report::Failed(failure);
+        if last.as_ref() != Some(&report) {
+            if !send(report.clone()).await {
+                return;
             }
+            last = Some(report);
         }
-    };
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+    }
+}
+
+/// One list and watch, until it fails (the reason) or `events` is closed
+/// (None).
+async fn watch<F, Fut>(
+    service: &str,
+    spec: &SliceSource,
+    client: Client,
+    last: &mut Option<Report>,
+    send: &F,
+    backoff: &mut std::time::Duration,
+) -> Option<String>
+where
+    F: Fn(Report) -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
     let api: Api<EndpointSlice> = Api::namespaced(client, &spec.namespace);
     let config =
         watcher::Config::default().labels(&format!("{SERVICE_NAME_LABEL}={}", spec.service));
-    let mut stream = watcher(api, config).default_backoff().boxed();
+    let mut stream = watcher(api, config).boxed();
     info!(
         "{service}: watching the EndpointSlices of {}/{} (port {})",
         spec.namespace, spec.service, spec.port
     );
     let mut slices: BTreeMap<String, BackendSet> = BTreeMap::new();
     let mut listing: Option<BTreeMap<String, BackendSet>> = None;
-    let mut last: Option<Report> = None;
-    while let Some(item) = stream.next().await {
-        let report = match item {
-            Ok(watcher::Event::Init) => {
+    loop {
+        let report = match stream.next().await {
+            None => return Some("the watch stream ended".to_string()),
+            Some(Err(error)) => return Some(error.to_string()),
+            Some(Ok(watcher::Event::Init)) => {
                 listing = Some(BTreeMap::new());
                 continue;
             }
-            Ok(watcher::Event::InitApply(slice)) => {
+            Some(Ok(watcher::Event::InitApply(slice))) => {
                 if let Some(listing) = listing.as_mut() {
                     listing.insert(name_of(&slice), ready_backends(&slice, &spec.port));
                 }
                 continue;
             }
-            Ok(watcher::Event::InitDone) => {
+            Some(Ok(watcher::Event::InitDone)) => {
+                *backoff = std::time::Duration::from_secs(1);
                 slices = listing.take().unwrap_or_default();
                 Report::Set(union(&slices))
             }
-            Ok(watcher::Event::Apply(slice)) => {
+            Some(Ok(watcher::Event::Apply(slice))) => {
                 slices.insert(name_of(&slice), ready_backends(&slice, &spec.port));
                 Report::Set(union(&slices))
             }
-            Ok(watcher::Event::Delete(slice)) => {
+            Some(Ok(watcher::Event::Delete(slice))) => {
                 slices.remove(&name_of(&slice));
                 Report::Set(union(&slices))
-            }
-            Err(error) => {
-                debug!("{service}: EndpointSlice watch: {error}");
-                Report::Failed(error.to_string())
             }
         };
         if last.as_ref() == Some(&report) {
             continue;
         }
         if !send(report.clone()).await {
-            return;
+            return None;
         }
-        last = Some(report);
+        *last = Some(report);
     }
 }
 

@@ -471,6 +471,51 @@ pub fn spread(attempts: &[Attempt]) -> BTreeMap<String, usize> {
     counts
 }
 
+/// `GET /metrics` of a daemon's `--metrics-addr`: every sample, keyed by
+/// its name and labels as written.
+pub fn scrape_metrics(addr: SocketAddr) -> BTreeMap<String, f64> {
+    let mut stream = std::net::TcpStream::connect(addr).expect("metrics endpoint");
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    write!(
+        stream,
+        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut response = String::new();
+    std::io::Read::read_to_string(&mut stream, &mut response).unwrap();
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    let body = response.split("\r\n\r\n").nth(1).unwrap_or_default();
+    // Chunked or not: sample lines are the ones that parse.
+    let mut samples = BTreeMap::new();
+    for line in body.lines() {
+        if line.starts_with('#') {
+            continue;
+        }
+        let Some((key, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        if let Ok(value) = value.parse::<f64>() {
+            samples.insert(key.to_string(), value);
+        }
+    }
+    samples
+}
+
+/// Connects through `vip` (10 at a time, from `cgroup`) until one lands
+/// on the backend called `name`: the time it took. Panics after `limit`.
+pub fn until_served_by(vip: SocketAddr, cgroup: &Path, name: &str, limit: Duration) -> Duration {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        let attempts = ClientRun::new(vip, Some(cgroup), 10).run();
+        if spread(&attempts).contains_key(name) {
+            return start.elapsed();
+        }
+    }
+    panic!("no connect reached {name} within {limit:?}");
+}
+
 /// The state directory of a test daemon: one per pin path, so that a
 /// restart on the same pins finds what the last run persisted, and no
 /// test reads another's (or the machine's /var/lib/socklb).

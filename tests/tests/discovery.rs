@@ -6,8 +6,7 @@
 //! apiserver that is reachable only through socklb's own VIP.
 
 use std::{
-    io::{Read, Write},
-    net::{IpAddr, SocketAddr, TcpStream},
+    net::{IpAddr, SocketAddr},
     path::Path,
     time::{Duration, Instant},
 };
@@ -15,7 +14,7 @@ use std::{
 use socklb_tests::{
     Backend, Cgroup, ClientRun, ConnClient, Daemon, backend_field, free_port,
     kube::{KubeApi, KubeApiOptions, SliceSpec},
-    record_figures, require_root, service_args, spread,
+    record_figures, require_root, scrape_metrics, service_args, spread, until_served_by,
 };
 
 /// How long the daemon may take to notice anything in these tests; the
@@ -95,18 +94,6 @@ fn following(status: &serde_json::Value) -> String {
         .to_string()
 }
 
-/// Connects through the VIP until one lands on `name`: the time it took.
-fn until_served_by(vip: SocketAddr, cgroup: &Path, name: &str) -> Duration {
-    let start = Instant::now();
-    while start.elapsed() < LIMIT {
-        let attempts = ClientRun::new(vip, Some(cgroup), 10).run();
-        if spread(&attempts).contains_key(name) {
-            return start.elapsed();
-        }
-    }
-    panic!("no connect reached {name} within {LIMIT:?}");
-}
-
 /// `count` connects through the VIP: how many each backend served. Not one
 /// may fail.
 fn served(vip: SocketAddr, cgroup: &Path, count: u32) -> std::collections::BTreeMap<String, usize> {
@@ -144,7 +131,7 @@ fn a_server_added_through_the_api_serves_within_1s_and_a_relist_after_410_follow
     // A server added through the API serves within 1 s.
     let put = Instant::now();
     api.put_slice("default", "kubernetes", &ready(port, &[b0, b1, b2]));
-    until_served_by(vip, &cgroup.path, "b2");
+    until_served_by(vip, &cgroup.path, "b2", LIMIT);
     let added = put.elapsed();
     assert!(added <= Duration::from_secs(1), "b2 served after {added:?}");
     assert!(daemon.log_shows(
@@ -324,25 +311,6 @@ fn a_restart_while_the_api_is_down_uses_the_persisted_set() {
     daemon.wait_health(&[b2.addr], true, LIMIT);
 }
 
-/// `GET /metrics`: the value of the first sample whose line starts with
-/// `prefix`.
-fn metric(addr: SocketAddr, prefix: &str) -> Option<f64> {
-    let mut stream = TcpStream::connect(addr).expect("metrics endpoint");
-    stream.set_read_timeout(Some(LIMIT)).unwrap();
-    write!(
-        stream,
-        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    response
-        .lines()
-        .find(|line| line.starts_with(prefix))
-        .and_then(|line| line.rsplit_once(' '))
-        .and_then(|(_, value)| value.parse().ok())
-}
-
 #[test]
 fn a_slice_with_no_ready_endpoint_keeps_the_last_known_set_and_warns() {
     require_root();
@@ -369,10 +337,14 @@ fn a_slice_with_no_ready_endpoint_keeps_the_last_known_set_and_warns() {
     api.delete_slice("default", "kubernetes");
     // The warning is said once, and counted once.
     let deadline = Instant::now() + LIMIT;
-    while metric(metrics, problems) != Some(1.0) && Instant::now() < deadline {
+    while scrape_metrics(metrics).get(problems).copied() != Some(1.0) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(50));
     }
-    assert_eq!(metric(metrics, problems), Some(1.0), "counted once");
+    assert_eq!(
+        scrape_metrics(metrics).get(problems).copied(),
+        Some(1.0),
+        "counted once"
+    );
     let spread = served(vip, &cgroup.path, 40);
     assert_eq!(
         spread.values().sum::<usize>(),

@@ -5,15 +5,14 @@
 
 use std::{
     collections::BTreeMap,
-    io::{Read, Write},
-    net::{SocketAddr, TcpStream},
+    net::SocketAddr,
     path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
 use socklb_tests::{
     Backend, Cgroup, ClientRun, ConnClient, Daemon, backend_field, free_port, record_figures,
-    require_root, service_args, spread, state_dir_of, unique_name,
+    require_root, scrape_metrics, service_args, spread, state_dir_of, unique_name, until_served_by,
 };
 
 fn vip() -> SocketAddr {
@@ -79,16 +78,16 @@ fn listed(status: &serde_json::Value, addr: SocketAddr) -> bool {
     backend_field(status, &addr.to_string(), "addr").is_some()
 }
 
-/// Until a connect through the VIP lands on `name`: the time it took.
-fn until_served_by(vip: SocketAddr, cgroup: &Path, name: &str, limit: Duration) -> Duration {
-    let start = Instant::now();
-    while start.elapsed() < limit {
-        let attempts = ClientRun::new(vip, Some(cgroup), 10).run();
-        if spread(&attempts).contains_key(name) {
-            return start.elapsed();
-        }
-    }
-    panic!("no connect reached {name} within {limit:?}");
+/// `--config FILE --cgroup DIR`, then `extra`.
+fn config_args(config: &Path, cgroup: &Path, extra: &[&str]) -> Vec<String> {
+    let mut args = vec![
+        "--config".to_string(),
+        config.display().to_string(),
+        "--cgroup".to_string(),
+        cgroup.display().to_string(),
+    ];
+    args.extend(extra.iter().map(ToString::to_string));
+    args
 }
 
 #[test]
@@ -108,16 +107,7 @@ fn live_reload_keeps_every_connect() {
         service_toml(vip, &[(b0.addr, 1), (b1.addr, 1)], "tcp"),
     )
     .unwrap();
-    let args: Vec<String> = [
-        "--config",
-        &config.display().to_string(),
-        "--watch-config",
-        "--cgroup",
-        &cgroup.path.display().to_string(),
-    ]
-    .iter()
-    .map(ToString::to_string)
-    .collect();
+    let args = config_args(&config, &cgroup.path, &["--watch-config"]);
     let mut daemon = Daemon::start("reload", &args);
     daemon.wait_health(&[b0.addr, b1.addr], true, Duration::from_secs(10));
     let first = generation(&daemon.status().unwrap());
@@ -389,37 +379,6 @@ fn k3s_state_file_followed_and_persisted() {
     ));
 }
 
-/// `GET /metrics`: every sample, by name and sorted labels.
-fn scrape(addr: SocketAddr) -> BTreeMap<String, f64> {
-    let mut stream = TcpStream::connect(addr).expect("metrics endpoint");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    write!(
-        stream,
-        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut response = String::new();
-    stream.read_to_string(&mut response).unwrap();
-    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
-    let body = response.split("\r\n\r\n").nth(1).unwrap_or_default();
-    // Chunked or not: sample lines are the ones that parse.
-    let mut samples = BTreeMap::new();
-    for line in body.lines() {
-        if line.starts_with('#') {
-            continue;
-        }
-        let Some((key, value)) = line.rsplit_once(' ') else {
-            continue;
-        };
-        if let Ok(value) = value.parse::<f64>() {
-            samples.insert(key.to_string(), value);
-        }
-    }
-    samples
-}
-
 fn sample(samples: &BTreeMap<String, f64>, key: &str) -> f64 {
     *samples
         .get(key)
@@ -441,17 +400,8 @@ fn metrics_agree_with_status() {
         service_toml(vip, &[(b0.addr, 1), (b1.addr, 1)], "tcp"),
     )
     .unwrap();
-    let args: Vec<String> = [
-        "--config",
-        &config.display().to_string(),
-        "--metrics-addr",
-        &metrics.to_string(),
-        "--cgroup",
-        &cgroup.path.display().to_string(),
-    ]
-    .iter()
-    .map(ToString::to_string)
-    .collect();
+    let metrics_flag = metrics.to_string();
+    let args = config_args(&config, &cgroup.path, &["--metrics-addr", &metrics_flag]);
     let mut daemon = Daemon::start("metrics", &args);
     daemon.wait_health(&[b0.addr, b1.addr], true, Duration::from_secs(10));
     let attempts = ClientRun::new(vip, Some(&cgroup.path), 40).run();
@@ -479,7 +429,7 @@ fn metrics_agree_with_status() {
 
     // Nothing moves now: no traffic, b1 stays down.
     let status = daemon.status().unwrap();
-    let samples = scrape(metrics);
+    let samples = scrape_metrics(metrics);
     let service = &status["services"][0];
     for backend in service["backends"].as_array().unwrap() {
         let labels = format!(
@@ -609,16 +559,11 @@ fn a_configmap_volume_update_is_applied() {
     let vip = vip();
     let dir = TempDir::new("configmap");
     publish_configmap(&dir.0, 1, &service_toml(vip, &[(b0.addr, 1)], "tcp"));
-    let args: Vec<String> = [
-        "--config",
-        &dir.0.join("socklb.toml").display().to_string(),
-        "--watch-config",
-        "--cgroup",
-        &cgroup.path.display().to_string(),
-    ]
-    .iter()
-    .map(ToString::to_string)
-    .collect();
+    let args = config_args(
+        &dir.0.join("socklb.toml"),
+        &cgroup.path,
+        &["--watch-config"],
+    );
     let mut daemon = Daemon::start("configmap", &args);
     daemon.wait_health(&[b0.addr], true, Duration::from_secs(10));
 

@@ -246,59 +246,49 @@ impl Collector for KernelCollector {
         let Some(report) = snapshot.as_ref() else {
             return Ok(());
         };
-        let backend_labels =
-            |service: &str, backend: &str| labels(&[("service", service), ("backend", backend)]);
-        let per_backend = |value: &dyn Fn(&crate::status::BackendStatus) -> i64| {
+        // One sample per backend of every service, made by `sample`.
+        fn per_backend<M>(
+            report: &StatusReport,
+            sample: impl Fn(&crate::status::BackendStatus) -> M,
+        ) -> Vec<(Labels, M)> {
             report
                 .services
                 .iter()
                 .flat_map(|service| {
                     service.backends.iter().map(|backend| {
                         (
-                            backend_labels(&service.name, &backend.addr),
-                            ConstGauge::new(value(backend)),
+                            labels(&[("service", &service.name), ("backend", &backend.addr)]),
+                            sample(backend),
                         )
                     })
                 })
-                .collect::<Vec<_>>()
-        };
-        let per_backend_counter = |value: &dyn Fn(&crate::status::BackendStatus) -> u64| {
-            report
-                .services
-                .iter()
-                .flat_map(|service| {
-                    service.backends.iter().map(|backend| {
-                        (
-                            backend_labels(&service.name, &backend.addr),
-                            ConstCounter::new(value(backend)),
-                        )
-                    })
-                })
-                .collect::<Vec<_>>()
-        };
+                .collect()
+        }
         encode_family(
             &mut encoder,
             "socklb_backend_healthy",
             "1 while the backend is healthy (its probes pass), else 0",
-            per_backend(&|backend| i64::from(backend.healthy)),
+            per_backend(report, |backend| {
+                ConstGauge::new(i64::from(backend.healthy))
+            }),
         )?;
         encode_family(
             &mut encoder,
             "socklb_backend_live_connections",
             "Established connections socklb sent to the backend that are open now",
-            per_backend(&|backend| backend.live),
+            per_backend(report, |backend| ConstGauge::new(backend.live)),
         )?;
         encode_family(
             &mut encoder,
             "socklb_backend_redirects",
             "Connects socklb redirected to the backend",
-            per_backend_counter(&|backend| backend.redirects),
+            per_backend(report, |backend| ConstCounter::new(backend.redirects)),
         )?;
         encode_family(
             &mut encoder,
             "socklb_backend_failed_connects",
             "Redirected connects that failed on the server side (a reset, or the SYN unanswered)",
-            per_backend_counter(&|backend| backend.failed_connects),
+            per_backend(report, |backend| ConstCounter::new(backend.failed_connects)),
         )?;
         let per_service = |value: &dyn Fn(&crate::status::ServiceStatus) -> u64| {
             report

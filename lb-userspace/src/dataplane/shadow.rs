@@ -95,15 +95,20 @@ fn is_descendant(dir: &Path, id: u64) -> bool {
     false
 }
 
-/// The pin directory under /sys/fs/bpf holding a pinned link with this id.
-fn pin_dir_of_link(link_id: u32) -> Option<PathBuf> {
+/// Every pinned socklb connect link under /sys/fs/bpf (a bounded walk,
+/// four levels deep), with the directory that holds it.
+fn pinned_connect_links() -> Vec<(PathBuf, PathBuf)> {
+    let mut found = Vec::new();
     let mut pending = vec![(PathBuf::from("/sys/fs/bpf"), 0)];
     let mut visited = 0;
     while let Some((dir, depth)) = pending.pop() {
-        for entry in std::fs::read_dir(&dir).ok()?.flatten() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.flatten() {
             visited += 1;
             if visited > 20_000 {
-                return None;
+                return found;
             }
             let path = entry.path();
             if entry.file_type().is_ok_and(|kind| kind.is_dir()) {
@@ -116,16 +121,22 @@ fn pin_dir_of_link(link_id: u32) -> Option<PathBuf> {
                 .file_name()
                 .to_str()
                 .is_some_and(|name| name.starts_with("link_socklb_connect"));
-            if is_connect_link
-                && sys::open_pinned(&path)
-                    .and_then(|fd| sys::link_info(fd.as_fd()))
-                    .is_ok_and(|info| info.id == link_id)
-            {
-                return Some(dir);
+            if is_connect_link {
+                found.push((dir.clone(), path));
             }
         }
     }
-    None
+    found
+}
+
+/// The pin directory under /sys/fs/bpf holding a pinned link with this id.
+fn pin_dir_of_link(link_id: u32) -> Option<PathBuf> {
+    pinned_connect_links().into_iter().find_map(|(dir, path)| {
+        sys::open_pinned(&path)
+            .and_then(|fd| sys::link_info(fd.as_fd()))
+            .is_ok_and(|info| info.id == link_id)
+            .then_some(dir)
+    })
 }
 
 /// The VIPs in the SERVICES map of the program with this id.
@@ -201,52 +212,28 @@ fn links_by_id(own: &HashSet<u32>) -> std::io::Result<Vec<ConnectLink>> {
 /// with the VIPs of the SERVICES map pinned beside them. Needs only
 /// CAP_BPF; an install whose pins this process cannot open is not seen.
 fn links_by_pin(own: &HashSet<u32>) -> Vec<ConnectLink> {
-    let mut links = Vec::new();
-    let mut pending = vec![(PathBuf::from("/sys/fs/bpf"), 0)];
-    let mut visited = 0;
-    while let Some((dir, depth)) = pending.pop() {
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            continue;
-        };
-        for entry in entries.flatten() {
-            visited += 1;
-            if visited > 20_000 {
-                return links;
-            }
-            let path = entry.path();
-            if entry.file_type().is_ok_and(|kind| kind.is_dir()) {
-                if depth < 4 {
-                    pending.push((path, depth + 1));
-                }
-                continue;
-            }
-            let is_connect_link = entry
-                .file_name()
-                .to_str()
-                .is_some_and(|name| name.starts_with("link_socklb_connect"));
-            if !is_connect_link {
-                continue;
-            }
-            let Ok(info) = sys::open_pinned(&path).and_then(|fd| sys::link_info(fd.as_fd())) else {
-                continue;
-            };
+    pinned_connect_links()
+        .into_iter()
+        .filter_map(|(dir, path)| {
+            let info = sys::open_pinned(&path)
+                .and_then(|fd| sys::link_info(fd.as_fd()))
+                .ok()?;
             if own.contains(&info.id) || info.cgroup_id == 0 {
-                continue;
+                return None;
             }
             let services = PinPaths::new(&dir).map(names::SERVICES);
             let vips = sys::open_pinned(&services)
                 .and_then(|fd| sys::lookup_batch::<Endpoint, ServiceEntry>(fd.as_fd(), None, 4096))
                 .map(|entries| entries.into_iter().map(|(vip, _)| vip).collect())
                 .unwrap_or_default();
-            links.push(ConnectLink {
+            Some(ConnectLink {
                 id: info.id,
                 cgroup_id: info.cgroup_id,
-                pin_dir: Some(dir.clone()),
+                pin_dir: Some(dir),
                 vips,
-            });
-        }
-    }
-    links
+            })
+        })
+        .collect()
 }
 
 /// How [`overlapping`] looked for other installs.

@@ -460,6 +460,24 @@ fn write_daemon_info(
             states.join("; ")
         )?;
     }
+    for service in &info.fleet {
+        let ramping: Vec<String> = service
+            .ramping
+            .iter()
+            .map(|(addr, step)| format!("{addr} at {step}/10"))
+            .collect();
+        writeln!(
+            f,
+            "fleet {}: slow start: {}; rebalance moves: {}",
+            service.service,
+            if ramping.is_empty() {
+                "none in progress".to_string()
+            } else {
+                ramping.join(", ")
+            },
+            service.rebalance_moves
+        )?;
+    }
     Ok(())
 }
 

@@ -65,7 +65,17 @@ fn returning_server_share(label: &str, base: u8, extra: &[&str]) -> i64 {
     daemon.wait_for("the herd connected", LIMIT, |status| {
         addrs.iter().map(|addr| live(status, *addr)).sum::<i64>() == before + 60
     });
-    let share = live(&daemon.status().unwrap(), addrs[2]);
+    let status = daemon.status().unwrap();
+    let share = live(&status, addrs[2]);
+    if extra.contains(&"--slow-start") {
+        // status says the ramp is on, at an early step.
+        let ramping = &status["daemon_info"]["fleet"][0]["ramping"];
+        let step = ramping
+            .as_array()
+            .and_then(|ramps| ramps.iter().find(|ramp| ramp[0] == addrs[2].to_string()))
+            .and_then(|ramp| ramp[1].as_u64());
+        assert!(step.is_some_and(|step| step <= 3), "{status}");
+    }
     herd.release();
     settled.release();
     let _ = herd.finish();
@@ -157,6 +167,11 @@ fn rebalancing_evens_out_long_lived_connections_after_a_server_returns() {
     let (moved, needed) = episode_moves(&daemon.log()).expect("the episode's line");
     let status = daemon.status().unwrap();
     let counts: Vec<i64> = addrs.iter().map(|addr| live(&status, *addr)).collect();
+    assert_eq!(
+        status["daemon_info"]["fleet"][0]["rebalance_moves"].as_u64(),
+        Some(moved),
+        "status counts the moves: {status}"
+    );
     clients.release();
     let ends = clients.finish();
     let reconnects: u64 = ends

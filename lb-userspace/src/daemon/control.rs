@@ -61,6 +61,19 @@ pub struct DaemonInfo {
     pub last_reload: Option<crate::daemon::ReloadStatus>,
     /// Where each service's backends come from.
     pub services: Vec<ServiceSourcesInfo>,
+    /// Slow starts and rebalancing, per service that has either.
+    #[serde(default)]
+    pub fleet: Vec<FleetInfo>,
+}
+
+/// A service's slow starts in progress and rebalancing moves so far.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FleetInfo {
+    pub service: String,
+    /// Backends in slow start, with their step (of 10).
+    pub ramping: Vec<(String, u32)>,
+    /// Connections closed to rebalance, since the daemon started.
+    pub rebalance_moves: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -242,6 +242,8 @@ struct Daemon {
     reports_tx: mpsc::Sender<ProbeReport>,
     confirmer: Confirmer,
     rebalancer: rebalance::Rebalancer,
+    /// Connections closed to rebalance, by service.
+    rebalance_moves: BTreeMap<String, u64>,
     record: DaemonRecord,
     verifier: verify::Verifier,
     features: Features,
@@ -443,6 +445,7 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
         reports_tx,
         confirmer: Confirmer::default(),
         rebalancer: rebalance::Rebalancer::default(),
+        rebalance_moves: BTreeMap::new(),
         verifier: verify::Verifier::default(),
         features,
         metrics,
@@ -872,6 +875,10 @@ impl Daemon {
                         let destroyed = close_idlest(&self.running.maps, backend.addr, count);
                         self.rebalancer.moved(table.table_id, destroyed);
                         if destroyed > 0 {
+                            *self
+                                .rebalance_moves
+                                .entry(table.service.clone())
+                                .or_default() += destroyed as u64;
                             self.metrics
                                 .rebalanced(&table.service, backend.addr, destroyed);
                             info!(
@@ -1051,7 +1058,28 @@ impl Daemon {
     }
 
     fn info(&self) -> control::DaemonInfo {
+        let mut fleet: BTreeMap<String, control::FleetInfo> = BTreeMap::new();
+        for (table, backend) in self.owner.layout().backends() {
+            if table.slow_start.is_none() && table.rebalance.is_none() {
+                continue;
+            }
+            let entry = fleet
+                .entry(table.service.clone())
+                .or_insert_with(|| control::FleetInfo {
+                    service: table.service.clone(),
+                    ramping: Vec::new(),
+                    rebalance_moves: self
+                        .rebalance_moves
+                        .get(&table.service)
+                        .copied()
+                        .unwrap_or(0),
+                });
+            if let Some(step) = self.owner.ramp_step(backend.id) {
+                entry.ramping.push((backend.addr.to_string(), step));
+            }
+        }
         control::DaemonInfo {
+            fleet: fleet.into_values().collect(),
             config_generation: self.record.config_generation,
             last_reload: self.last_reload.clone(),
             services: self

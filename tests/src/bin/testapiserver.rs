@@ -2,7 +2,9 @@
 //! scenario suites: TLS with a self-signed certificate, `/readyz` and
 //! `/ping` answer 200, `/cpu` burns about 50 ms of CPU first (like the
 //! node-password scrypt check of k3s), anything else 404. Each answer
-//! carries `x-server: NAME` and closes the connection.
+//! carries `x-server: NAME` and closes the connection, unless the request
+//! asked `connection: keep-alive` (a long-lived agent): then the
+//! connection serves the next request, and may idle for two minutes.
 //!
 //! With `--hang`, it accepts TCP connections and never says a word: the
 //! server that 318 rke2 agents were stuck on. SIGUSR1 turns a running
@@ -75,37 +77,48 @@ fn serve(stream: TcpStream, config: Arc<ServerConfig>, name: &str) {
         return;
     };
     let mut tls = StreamOwned::new(connection, stream);
-    let mut request = Vec::new();
-    let mut buffer = [0u8; 2048];
-    while !request.windows(4).any(|window| window == b"\r\n\r\n") {
-        match tls.read(&mut buffer) {
-            Ok(0) | Err(_) => return,
-            Ok(read) => request.extend_from_slice(&buffer[..read]),
+    // Bounded: a keep-alive connection serves at most this many requests.
+    for _ in 0..100_000 {
+        let mut request = Vec::new();
+        let mut buffer = [0u8; 2048];
+        while !request.windows(4).any(|window| window == b"\r\n\r\n") {
+            match tls.read(&mut buffer) {
+                Ok(0) | Err(_) => return,
+                Ok(read) => request.extend_from_slice(&buffer[..read]),
+            }
+            if request.len() > 16 * 1024 {
+                return;
+            }
         }
-        if request.len() > 16 * 1024 {
+        if HANG.load(Ordering::SeqCst) {
+            hold_silently(tls);
             return;
         }
+        let line = String::from_utf8_lossy(&request);
+        let path = line.split_whitespace().nth(1).unwrap_or("/");
+        let keep_alive = line
+            .lines()
+            .any(|header| header.eq_ignore_ascii_case("connection: keep-alive"));
+        let (status, body) = match path {
+            "/readyz" => ("200 OK", "ok".to_string()),
+            "/ping" => ("200 OK", "pong".to_string()),
+            "/cpu" => ("200 OK", format!("{:x}", burn_cpu())),
+            _ => ("404 Not Found", "not found".to_string()),
+        };
+        let connection = if keep_alive { "keep-alive" } else { "close" };
+        let answer = format!(
+            "HTTP/1.1 {status}\r\nx-server: {name}\r\ncontent-length: {}\r\nconnection: {connection}\r\n\r\n{body}",
+            body.len()
+        );
+        let _ = tls.write_all(answer.as_bytes());
+        let _ = tls.flush();
+        if !keep_alive {
+            tls.conn.send_close_notify();
+            let _ = tls.flush();
+            return;
+        }
+        let _ = tls.sock.set_read_timeout(Some(Duration::from_secs(120)));
     }
-    if HANG.load(Ordering::SeqCst) {
-        hold_silently(tls);
-        return;
-    }
-    let line = String::from_utf8_lossy(&request);
-    let path = line.split_whitespace().nth(1).unwrap_or("/");
-    let (status, body) = match path {
-        "/readyz" => ("200 OK", "ok".to_string()),
-        "/ping" => ("200 OK", "pong".to_string()),
-        "/cpu" => ("200 OK", format!("{:x}", burn_cpu())),
-        _ => ("404 Not Found", "not found".to_string()),
-    };
-    let answer = format!(
-        "HTTP/1.1 {status}\r\nx-server: {name}\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    let _ = tls.write_all(answer.as_bytes());
-    let _ = tls.flush();
-    tls.conn.send_close_notify();
-    let _ = tls.flush();
 }
 
 fn main() {

@@ -1,0 +1,289 @@
+//! A fleet of long-lived agents through a VIP, as kubelets and k3s agents
+//! are: each keeps one TLS connection (keep-alive) and sends a small
+//! request every interval; on an error it reconnects and retries once,
+//! after 250 ms plus a random jitter of up to 750 ms (as client-go and the
+//! k3s agent spread their retries). Between requests it watches its connection, as a client
+//! blocked on a watch does: a connection that ends is opened again at once
+//! (a `reconnect`, not a failed request). Agents start spread over one
+//! interval. It runs until stdin closes (or `--max-seconds`), then prints
+//! one JSON summary.
+//!
+//! Usage: fleetagent --addr VIP:PORT --cgroup DIR --agents N
+//!                   [--interval-ms 1000] [--max-seconds 600]
+
+use std::{
+    collections::BTreeMap,
+    io::{Read, Write},
+    net::{SocketAddr, TcpStream},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use rustls::{ClientConnection, StreamOwned};
+use rustls_pki_types::ServerName;
+use serde::Serialize;
+use socklb::health::probe::{TlsOptions, client_config};
+
+const TIMEOUT: Duration = Duration::from_secs(2);
+const RETRY_AFTER: Duration = Duration::from_millis(250);
+const RETRY_JITTER_MS: u64 = 750;
+
+#[derive(Default)]
+struct Counters {
+    requests: AtomicU64,
+    failed: AtomicU64,
+    retried: AtomicU64,
+    connects: AtomicU64,
+    /// Connections that ended between requests and were opened again.
+    reconnects: AtomicU64,
+    max_ms: AtomicU64,
+    servers: Mutex<BTreeMap<String, u64>>,
+    errors: Mutex<Vec<String>>,
+}
+
+#[derive(Serialize)]
+struct Summary {
+    agents: u32,
+    requests: u64,
+    failed: u64,
+    retried: u64,
+    connects: u64,
+    reconnects: u64,
+    max_ms: u64,
+    servers: BTreeMap<String, u64>,
+    /// The first errors seen, for the report.
+    errors: Vec<String>,
+}
+
+type Connection = StreamOwned<ClientConnection, TcpStream>;
+
+fn connect(addr: SocketAddr, config: &Arc<rustls::ClientConfig>) -> Result<Connection, String> {
+    let stream = TcpStream::connect_timeout(&addr, TIMEOUT).map_err(|e| format!("connect: {e}"))?;
+    stream
+        .set_read_timeout(Some(TIMEOUT))
+        .and_then(|()| stream.set_write_timeout(Some(TIMEOUT)))
+        .map_err(|e| e.to_string())?;
+    let name = ServerName::IpAddress(addr.ip().into());
+    let connection = ClientConnection::new(Arc::clone(config), name).map_err(|e| e.to_string())?;
+    Ok(StreamOwned::new(connection, stream))
+}
+
+/// One request on the agent's connection; returns the server's name.
+fn request(connection: &mut Connection, addr: SocketAddr) -> Result<String, String> {
+    let text = format!("GET /readyz HTTP/1.1\r\nhost: {addr}\r\nconnection: keep-alive\r\n\r\n");
+    connection
+        .write_all(text.as_bytes())
+        .map_err(|e| format!("send: {e}"))?;
+    let mut answer = Vec::new();
+    let mut buffer = [0u8; 1024];
+    let header_end = loop {
+        if let Some(end) = answer.windows(4).position(|window| window == b"\r\n\r\n") {
+            break end + 4;
+        }
+        match connection.read(&mut buffer) {
+            Ok(0) => return Err("receive: closed".into()),
+            Ok(read) => answer.extend_from_slice(&buffer[..read]),
+            Err(e) => return Err(format!("receive: {e}")),
+        }
+        if answer.len() > 16 * 1024 {
+            return Err("receive: headers too long".into());
+        }
+    };
+    let head = String::from_utf8_lossy(&answer[..header_end]).to_string();
+    if !head.starts_with("HTTP/1.1 200") {
+        return Err(format!("answer: {}", head.lines().next().unwrap_or("")));
+    }
+    let length: usize = head
+        .lines()
+        .find_map(|line| line.strip_prefix("content-length: "))
+        .and_then(|value| value.trim().parse().ok())
+        .unwrap_or(0);
+    while answer.len() < header_end + length {
+        match connection.read(&mut buffer) {
+            Ok(0) => return Err("receive: closed in the body".into()),
+            Ok(read) => answer.extend_from_slice(&buffer[..read]),
+            Err(e) => return Err(format!("receive: {e}")),
+        }
+    }
+    head.lines()
+        .find_map(|line| line.strip_prefix("x-server: "))
+        .map(str::to_string)
+        .ok_or_else(|| "answer without x-server".into())
+}
+
+/// Whether the connection becomes readable within `wait` (between
+/// requests nothing is due: only an end of file or a reset).
+fn ended(connection: &Connection, wait: Duration) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut entry = libc::pollfd {
+        fd: connection.sock.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: poll(2) on one pollfd we own.
+    let ready = unsafe { libc::poll(&mut entry, 1, wait.as_millis() as i32) };
+    ready > 0 && entry.revents != 0
+}
+
+fn agent(
+    index: u32,
+    agents: u32,
+    addr: SocketAddr,
+    interval: Duration,
+    config: &Arc<rustls::ClientConfig>,
+    stop: &AtomicBool,
+    counters: &Counters,
+) {
+    let mut connection: Option<Connection> = None;
+    let mut jitter: u64 = 0x9e37_79b9_7f4a_7c15 ^ (u64::from(index) << 20 | 1);
+    let mut next = Instant::now() + interval * index / agents.max(1);
+    while !stop.load(Ordering::Relaxed) {
+        let now = Instant::now();
+        if next > now {
+            let wait = (next - now).min(Duration::from_millis(200));
+            match connection.as_ref() {
+                // Readable between requests: the server closed or reset it.
+                Some(open) if ended(open, wait) => {
+                    counters.reconnects.fetch_add(1, Ordering::Relaxed);
+                    counters.connects.fetch_add(1, Ordering::Relaxed);
+                    connection = connect(addr, config).ok();
+                }
+                Some(_) => {}
+                None => std::thread::sleep(wait),
+            }
+            continue;
+        }
+        next += interval;
+        let started = Instant::now();
+        let mut outcome = Err(String::new());
+        for attempt in 0..2 {
+            if attempt == 1 {
+                counters.retried.fetch_add(1, Ordering::Relaxed);
+                // xorshift64: jitter without a random crate.
+                jitter ^= jitter << 13;
+                jitter ^= jitter >> 7;
+                jitter ^= jitter << 17;
+                std::thread::sleep(RETRY_AFTER + Duration::from_millis(jitter % RETRY_JITTER_MS));
+            }
+            if connection.is_none() {
+                counters.connects.fetch_add(1, Ordering::Relaxed);
+                match connect(addr, config) {
+                    Ok(fresh) => connection = Some(fresh),
+                    Err(error) => {
+                        outcome = Err(error);
+                        continue;
+                    }
+                }
+            }
+            let Some(open) = connection.as_mut() else {
+                continue;
+            };
+            outcome = request(open, addr);
+            if outcome.is_ok() {
+                break;
+            }
+            connection = None;
+        }
+        counters.requests.fetch_add(1, Ordering::Relaxed);
+        match outcome {
+            Ok(server) => {
+                counters
+                    .max_ms
+                    .fetch_max(started.elapsed().as_millis() as u64, Ordering::Relaxed);
+                if let Ok(mut servers) = counters.servers.lock() {
+                    *servers.entry(server).or_default() += 1;
+                }
+            }
+            Err(error) => {
+                counters.failed.fetch_add(1, Ordering::Relaxed);
+                if let Ok(mut errors) = counters.errors.lock()
+                    && errors.len() < 10
+                {
+                    errors.push(error);
+                }
+            }
+        }
+    }
+}
+
+fn main() {
+    let mut addr: Option<SocketAddr> = None;
+    let mut cgroup: Option<String> = None;
+    let mut agents: u32 = 1;
+    let mut interval = Duration::from_secs(1);
+    let mut max = Duration::from_secs(600);
+    let mut words = std::env::args().skip(1);
+    while let Some(flag) = words.next() {
+        let value = words.next().unwrap_or_default();
+        let number = || value.parse::<u64>().unwrap_or(0);
+        match flag.as_str() {
+            "--addr" => addr = value.parse().ok(),
+            "--cgroup" => cgroup = Some(value.clone()),
+            "--agents" => agents = number().clamp(1, 5000) as u32,
+            "--interval-ms" => interval = Duration::from_millis(number().max(10)),
+            "--max-seconds" => max = Duration::from_secs(number().clamp(1, 3600)),
+            other => {
+                eprintln!("fleetagent: unknown argument {other}");
+                std::process::exit(2);
+            }
+        }
+    }
+    let Some(addr) = addr else {
+        eprintln!("fleetagent: --addr VIP:PORT is required");
+        std::process::exit(2);
+    };
+    socklb_tests::raise_open_files();
+    if let Some(cgroup) = &cgroup
+        && let Err(error) = std::fs::write(
+            format!("{cgroup}/cgroup.procs"),
+            std::process::id().to_string(),
+        )
+    {
+        eprintln!("fleetagent: joining {cgroup}: {error}");
+        std::process::exit(2);
+    }
+    let config = client_config(&TlsOptions::default()).expect("TLS client");
+    let stop = Arc::new(AtomicBool::new(false));
+    {
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            let mut sink = [0u8; 64];
+            while matches!(std::io::stdin().read(&mut sink), Ok(n) if n > 0) {}
+            stop.store(true, Ordering::SeqCst);
+        });
+    }
+    {
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            std::thread::sleep(max);
+            stop.store(true, Ordering::SeqCst);
+        });
+    }
+    let counters = Counters::default();
+    std::thread::scope(|scope| {
+        for index in 0..agents {
+            let (config, stop, counters) = (&config, &stop, &counters);
+            std::thread::Builder::new()
+                .stack_size(256 * 1024)
+                .spawn_scoped(scope, move || {
+                    agent(index, agents, addr, interval, config, stop, counters);
+                })
+                .expect("an agent thread");
+        }
+    });
+    let summary = Summary {
+        agents,
+        requests: counters.requests.load(Ordering::Relaxed),
+        failed: counters.failed.load(Ordering::Relaxed),
+        retried: counters.retried.load(Ordering::Relaxed),
+        connects: counters.connects.load(Ordering::Relaxed),
+        reconnects: counters.reconnects.load(Ordering::Relaxed),
+        max_ms: counters.max_ms.load(Ordering::Relaxed),
+        servers: counters.servers.into_inner().unwrap_or_default(),
+        errors: counters.errors.into_inner().unwrap_or_default(),
+    };
+    println!("{}", serde_json::to_string(&summary).expect("summary"));
+}

@@ -169,11 +169,11 @@ fn herd(label: &'static str, rebalance: bool) -> Run {
     // The rolling restart: each server killed, started again, healthy
     // again before the next.
     let mut restarts = Vec::new();
-    for server in 0..3 {
+    for (server, addr) in addrs.iter().enumerate() {
         cluster.servers[server].kill();
-        daemon.wait_health(&[addrs[server]], false, Duration::from_secs(20));
+        daemon.wait_health(&[*addr], false, Duration::from_secs(20));
         cluster.servers[server].start();
-        daemon.wait_health(&[addrs[server]], true, Duration::from_secs(20));
+        daemon.wait_health(&[*addr], true, Duration::from_secs(20));
         restarts.push(started.elapsed().as_secs_f64());
     }
     let at_last_restart = live_of(&daemon.status().unwrap(), &addrs);

@@ -789,6 +789,26 @@ impl Daemon {
         );
     }
 
+    /// Waits until the daemon's event loop has beaten `beats` more times
+    /// (each tick writes the heartbeat, and verifies, rebalances and moves
+    /// slow starts on): a fact to wait on before asserting that nothing
+    /// more happens.
+    pub fn wait_beats(&mut self, beats: u32, limit: Duration) {
+        let last_age = std::cell::Cell::new(u64::MAX);
+        let seen = std::cell::Cell::new(0u32);
+        self.wait_for(&format!("{beats} heartbeats"), limit, |status| {
+            let Some(age) = status["daemon"]["heartbeat_age_ms"].as_u64() else {
+                return false;
+            };
+            // The age falls back only when a new beat is written.
+            if age < last_age.get() && last_age.get() != u64::MAX {
+                seen.set(seen.get() + 1);
+            }
+            last_age.set(age);
+            seen.get() >= beats
+        });
+    }
+
     /// Waits until this daemon runs (its own heartbeat, not a previous
     /// daemon's records) and a probe has given every listed backend the
     /// given health.

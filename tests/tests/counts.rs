@@ -80,8 +80,8 @@ fn seventy_thousand_connections_all_count_and_all_uncount() {
         Duration::from_secs(120),
         |status| addrs.iter().all(|addr| live(status, addr) == 0),
     );
-    // Settled: nothing drifts after the last close.
-    std::thread::sleep(Duration::from_millis(500));
+    // Settled: nothing drifts after the last close (two more loop turns).
+    daemon.wait_beats(2, Duration::from_secs(10));
     assert_eq!(total_live(&daemon, &addrs), 0, "still exactly 0");
     record_figures(&format!(
         "counts: {total} concurrent connections through the VIP, all counted after {} ms (live per backend {per_backend:?}); all closed, every live count back to exactly 0 after {} ms",

@@ -194,8 +194,7 @@ fn rebalancing_evens_out_long_lived_connections_after_a_server_returns() {
 
     // In balance, nothing more moves.
     let before = daemon.log().matches("rebalance: default: closed").count();
-    daemon.wait_for("a few more looks", LIMIT, |_| true);
-    std::thread::sleep(Duration::from_millis(1500));
+    daemon.wait_beats(3, LIMIT);
     assert_eq!(
         daemon.log().matches("rebalance: default: closed").count(),
         before,

@@ -471,6 +471,14 @@ pub fn spread(attempts: &[Attempt]) -> BTreeMap<String, usize> {
     counts
 }
 
+/// How many of a `ConnClient::finish` report's connections socklb closed
+/// (they ended with ECONNABORTED).
+pub fn aborted(ends: &[serde_json::Value]) -> usize {
+    ends.iter()
+        .filter(|end| end["end"] == "error" && end["errno"] == libc::ECONNABORTED)
+        .count()
+}
+
 /// `GET /metrics` of a daemon's `--metrics-addr`: every sample, keyed by
 /// its name and labels as written.
 pub fn scrape_metrics(addr: SocketAddr) -> BTreeMap<String, f64> {

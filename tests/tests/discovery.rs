@@ -209,10 +209,7 @@ fn a_server_removed_through_the_api_is_drained() {
 
     held.release();
     let ends = held.finish();
-    let aborted = ends
-        .iter()
-        .filter(|end| end["end"] == "error" && end["errno"] == libc::ECONNABORTED)
-        .count();
+    let aborted = socklb_tests::aborted(&ends);
     assert_eq!(
         aborted as i64, on_b0,
         "exactly the connections to the removed server were closed: {ends:?}"

@@ -16,6 +16,9 @@ use std::{
 /// The port the test apiservers listen on.
 pub const SERVER_PORT: u16 = 6443;
 
+/// The `/work` requests one test apiserver serves per second, at most.
+pub const WORK_PER_SECOND: u32 = 300;
+
 static CLUSTERS: AtomicU32 = AtomicU32::new(0);
 
 fn run(program: &str, args: &[&str]) {

@@ -1,15 +1,25 @@
 //! A herd of 1,000 long-lived agents (`fleetagent`: one keep-alive TLS
 //! connection each, a request every second, one retry) on three server
-//! namespaces, through a rolling restart of all three servers, with
-//! rebalancing off (the baseline) and on. Prints the live connections per
-//! server each second, the max/min ratio 60 s after the last restart, the
-//! moves against the minimum needed and the failed requests, and writes
-//! them with an SVG chart to target/fleet/ (bench/results/FLEET.md is a
-//! committed copy of such a run).
+//! namespaces behind socklb with least-conn and close-on-failure:
+//! - one server hangs (accepts, never answers) as the herd starts a fixed
+//!   amount of work: when is every agent served, against the ideal time
+//!   (the total work over the healthy servers' capacity), and how long did
+//!   any agent sit on the hung server;
+//! - a rolling restart of all three servers, with rebalancing off (the
+//!   baseline) and on: the live connections per server each second, the
+//!   max/min ratio 60 s after the last restart, the moves against the
+//!   minimum needed and the failed requests;
+//! - a recovery herd: 300 agents join as a server comes back, with and
+//!   without slow start: the recovered server's share of them in its
+//!   first 5 s.
+//!
+//! Each writes its section, and the rolling restart an SVG chart, to
+//! target/fleet/; FLEET.md there joins the sections
+//! (bench/results/FLEET.md is a committed copy of such a run).
 
 use std::{
     fmt::Write as _,
-    io::Write as _,
+    io::{Read as _, Write as _},
     net::SocketAddr,
     path::PathBuf,
     process::{Child, Command, Stdio},
@@ -28,6 +38,136 @@ use socklb_tests::{
 const AGENTS: u32 = 1000;
 /// How long the herd runs on after the last server is back.
 const SETTLE: Duration = Duration::from_secs(60);
+/// Health checks of every run: a hung or dead server is out after two
+/// failed probes.
+const HEALTH: [&str; 8] = [
+    "--health",
+    "apiserver",
+    "--health-interval",
+    "200ms",
+    "--health-timeout",
+    "300ms",
+    "--fall",
+    "2",
+];
+/// The detection bound of the health checks above, interval × fall +
+/// timeout, with the ±20 % jitter of the waits and 250 ms for status.
+const DETECT_BOUND: Duration = Duration::from_millis(200 * 2 * 12 / 10 + 300 + 250);
+
+/// Three server namespaces, a child cgroup and a daemon with least-conn,
+/// close-on-failure, the health checks above and `flags`; every server
+/// healthy.
+/// Fields drop in order: the daemon, the cgroup, the servers.
+struct Setup {
+    daemon: Daemon,
+    cgroup: Cgroup,
+    cluster: Cluster,
+    vip: SocketAddr,
+    addrs: Vec<SocketAddr>,
+}
+
+/// A running `fleetagent`, killed (by its PID) on drop if still running.
+struct Agents(Option<Child>);
+
+impl Agents {
+    /// Starts the work phase of `--work-requests`.
+    fn start_work(&mut self) {
+        let stdin = self.0.as_mut().and_then(|child| child.stdin.as_mut());
+        writeln!(stdin.expect("fleetagent's stdin"), "work").expect("the work line");
+    }
+
+    /// Waits until it ends by itself (every agent did its work), with
+    /// stdin still open, and returns its summary.
+    fn finish_work(mut self) -> serde_json::Value {
+        let mut child = self.0.take().expect("running");
+        let _stdin = child.stdin.take();
+        let mut output = String::new();
+        child
+            .stdout
+            .take()
+            .expect("fleetagent's stdout")
+            .read_to_string(&mut output)
+            .expect("fleetagent's summary");
+        let _ = child.wait();
+        serde_json::from_str(&output).expect("fleetagent's summary JSON")
+    }
+
+    /// Closes its stdin and returns its summary.
+    fn summary(mut self) -> serde_json::Value {
+        let mut child = self.0.take().expect("running");
+        drop(child.stdin.take());
+        let output = child.wait_with_output().expect("fleetagent's summary");
+        serde_json::from_slice(&output.stdout).expect("fleetagent's summary JSON")
+    }
+}
+
+impl Drop for Agents {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Setup {
+    fn new(label: &str, flags: &[&str]) -> Self {
+        require_root();
+        let cluster = Cluster::new(3);
+        let cgroup = Cgroup::new(label);
+        let addrs = cluster.addrs();
+        let vip = SocketAddr::from(([127, 0, 0, 1], free_port()));
+        let mut all = HEALTH.to_vec();
+        all.extend([
+            "--rise",
+            "2",
+            "--policy",
+            "least-conn",
+            "--close-on-failure",
+            "true",
+        ]);
+        all.extend_from_slice(flags);
+        let mut daemon = Daemon::start(label, &service_args(&cgroup.path, &[vip], &addrs, &all));
+        daemon.wait_health(&addrs, true, Duration::from_secs(20));
+        Self {
+            cluster,
+            cgroup,
+            daemon,
+            vip,
+            addrs,
+        }
+    }
+
+    /// `count` agents in one `fleetagent` process (stdin and stdout piped).
+    fn agents(&self, count: u32, extra: &[&str]) -> Agents {
+        let child = Command::new(helper_bin("fleetagent"))
+            .args(["--addr", &self.vip.to_string(), "--cgroup"])
+            .arg(&self.cgroup.path)
+            .args(["--agents", &count.to_string(), "--max-seconds", "400"])
+            .args(extra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("fleetagent");
+        Agents(Some(child))
+    }
+
+    /// Waits until the live connections of the servers add up to `total`
+    /// and `ready` holds for them.
+    fn wait_live(&mut self, what: &str, total: i64, ready: impl Fn(&[i64; 3]) -> bool) {
+        let addrs = self.addrs.clone();
+        self.daemon
+            .wait_for(what, Duration::from_secs(60), |status| {
+                let live = live_of(status, &addrs);
+                live.iter().sum::<i64>() == total && ready(&live)
+            });
+    }
+
+    fn live(&self) -> [i64; 3] {
+        live_of(&self.daemon.status().expect("status"), &self.addrs)
+    }
+}
 
 /// One run's record.
 struct Run {
@@ -91,31 +231,10 @@ fn live_of(status: &serde_json::Value, addrs: &[SocketAddr]) -> [i64; 3] {
 }
 
 fn herd(label: &'static str, rebalance: bool) -> Run {
-    require_root();
-    let mut cluster = Cluster::new(3);
-    let cgroup = Cgroup::new(label);
-    let addrs = cluster.addrs();
-    let vip = SocketAddr::from(([127, 0, 0, 1], free_port()));
-    let mut flags = vec![
-        "--health",
-        "apiserver",
-        "--health-interval",
-        "200ms",
-        "--health-timeout",
-        "300ms",
-        "--fall",
-        "2",
-        "--rise",
-        "2",
-        "--policy",
-        "least-conn",
-        "--close-on-failure",
-        "true",
-    ];
-    if rebalance {
-        // A tolerance of 0.05 on max/mean: the issue's goal is max/min
-        // at most 1.2.
-        flags.extend([
+    // A tolerance of 0.05 on max/mean: the issue's goal is max/min at
+    // most 1.2.
+    let flags: &[&str] = if rebalance {
+        &[
             "--rebalance",
             "--rebalance-tolerance",
             "0.05",
@@ -123,23 +242,20 @@ fn herd(label: &'static str, rebalance: bool) -> Run {
             "5s",
             "--rebalance-rate",
             "25",
-        ]);
-    }
-    let mut daemon = Daemon::start(label, &service_args(&cgroup.path, &[vip], &addrs, &flags));
-    daemon.wait_health(&addrs, true, Duration::from_secs(20));
-
-    let mut agents: Child = Command::new(helper_bin("fleetagent"))
-        .args(["--addr", &vip.to_string(), "--cgroup"])
-        .arg(&cgroup.path)
-        .args(["--agents", &AGENTS.to_string(), "--max-seconds", "400"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("fleetagent");
-    daemon.wait_for("the herd connected", Duration::from_secs(60), |status| {
-        live_of(status, &addrs).iter().sum::<i64>() == i64::from(AGENTS)
-    });
+        ]
+    } else {
+        &[]
+    };
+    let mut setup = Setup::new(label, flags);
+    let agents = setup.agents(AGENTS, &[]);
+    setup.wait_live("the herd connected", i64::from(AGENTS), |_| true);
+    let Setup {
+        cluster,
+        daemon,
+        addrs,
+        ..
+    } = &mut setup;
+    let addrs = addrs.clone();
 
     // Live connections per server, each second, from status.
     let started = Instant::now();
@@ -188,10 +304,7 @@ fn herd(label: &'static str, rebalance: bool) -> Run {
         .unwrap_or(0);
     sampling.store(false, Ordering::SeqCst);
     let _ = sampler.join();
-    drop(agents.stdin.take());
-    let output = agents.wait_with_output().expect("fleetagent's summary");
-    let summary: serde_json::Value =
-        serde_json::from_slice(&output.stdout).expect("fleetagent's summary JSON");
+    let summary = agents.summary();
     let series = std::mem::take(&mut *series.lock().unwrap());
     Run {
         label,
@@ -287,13 +400,9 @@ fn write_report(runs: &[&Run]) {
     svg.push_str("</svg>\n");
     std::fs::write(dir.join("rolling-restart.svg"), svg).expect("the chart");
     let mut text = String::from(
-        "# A herd of 1,000 agents through a rolling restart\n\n\
-         Written by `tests/tests/herd.rs` (part of `cargo xtask test`): 1,000 \
-         `fleetagent` agents, each with one keep-alive TLS connection to the VIP \
-         and a request every second (one retry after 250 ms plus up to 750 ms of jitter), on three server \
-         namespaces behind socklb with least-conn and close-on-failure. Each \
-         server in turn is killed, started again and waited for until healthy; \
-         the herd runs on for 60 s after the last one.\n\n\
+        "## Rolling restart\n\n\
+         Each server in turn is killed, started again and waited for until \
+         healthy; the herd runs on for 60 s after the last one.\n\n\
          | | rebalancing off | rebalancing on |\n| --- | --- | --- |\n",
     );
     let cell = |f: &dyn Fn(&Run) -> String| -> String {
@@ -342,12 +451,12 @@ fn write_report(runs: &[&Run]) {
     );
     text.push_str(
         "\n![live connections per server](rolling-restart.svg)\n\n\
-         ## Live connections per server, each second\n\n",
+         ### Live connections per server, each second\n\n",
     );
     for run in runs {
         let _ = writeln!(
             text,
-            "### {}\n\n| s | s0 | s1 | s2 |\n| --- | --- | --- | --- |",
+            "#### {}\n\n| s | s0 | s1 | s2 |\n| --- | --- | --- | --- |",
             run.label
         );
         for (t, live) in &run.series {
@@ -355,7 +464,40 @@ fn write_report(runs: &[&Run]) {
         }
         text.push('\n');
     }
-    std::fs::write(dir.join("FLEET.md"), text).expect("the report");
+    write_section("2-rolling-restart.md", &text);
+}
+
+/// Writes one scenario's section to target/fleet/ and joins the sections
+/// there into FLEET.md.
+fn write_section(name: &str, text: &str) {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/fleet");
+    std::fs::create_dir_all(&dir).expect("target/fleet");
+    std::fs::write(dir.join(name), text).expect("the section");
+    let mut sections: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .expect("target/fleet")
+        .flatten()
+        .map(|entry| entry.path())
+        .filter(|path| {
+            path.file_name()
+                .and_then(|name| name.to_str())
+                .is_some_and(|name| name.as_bytes()[0].is_ascii_digit() && name.ends_with(".md"))
+        })
+        .collect();
+    sections.sort();
+    let mut report = String::from(
+        "# A herd of 1,000 agents\n\n\
+         Written by `tests/tests/herd.rs` (part of `cargo xtask test`): 1,000 \
+         `fleetagent` agents, each with one keep-alive TLS connection to the VIP \
+         and a request every second (one retry after 250 ms plus up to 750 ms \
+         of jitter), on three server namespaces running test apiservers, \
+         behind socklb with least-conn, close-on-failure and health checks \
+         every 200 ms (timeout 300 ms, fall 2, rise 2).\n\n",
+    );
+    for section in sections {
+        report.push_str(&std::fs::read_to_string(section).expect("a section"));
+        report.push('\n');
+    }
+    std::fs::write(dir.join("FLEET.md"), report).expect("the report");
 }
 
 #[test]
@@ -405,5 +547,214 @@ fn a_herd_of_1000_through_a_rolling_restart_with_and_without_rebalancing() {
         on.failed() * 1000 <= requests,
         "failed requests: {}",
         on.summary
+    );
+}
+
+/// The work of the hung-server run: each agent's `/work` requests.
+const WORK_REQUESTS: u32 = 12;
+
+#[test]
+fn a_herd_of_1000_while_one_server_hangs() {
+    let mut setup = Setup::new("herd-hung", &[]);
+    let mut agents = setup.agents(AGENTS, &["--work-requests", &WORK_REQUESTS.to_string()]);
+    setup.wait_live("the herd connected", i64::from(AGENTS), |_| true);
+    let before = setup.live();
+    // s0 hangs in place (accepts, never answers) as the work starts.
+    setup.cluster.servers[0].hang_in_place();
+    agents.start_work();
+    let out = setup
+        .daemon
+        .wait_health(&[setup.addrs[0]], false, Duration::from_secs(20));
+    let summary = agents.finish_work();
+    let work = &summary["work"];
+    let finish: Vec<u64> = work["finish_ms"]
+        .as_array()
+        .map(|all| all.iter().filter_map(|ms| ms.as_u64()).collect())
+        .unwrap_or_default();
+    let last = finish.last().copied().unwrap_or(u64::MAX);
+    let median = finish.get(finish.len() / 2).copied().unwrap_or(u64::MAX);
+    // The ideal: the total work over the capacity of the two healthy
+    // servers.
+    let ideal_ms = u64::from(AGENTS * WORK_REQUESTS) * 1000
+        / u64::from(2 * socklb_tests::cluster::WORK_PER_SECOND);
+    let longest = work["longest_failed_attempt_ms"]
+        .as_u64()
+        .unwrap_or(u64::MAX);
+    let served = &summary["servers"];
+    let line = format!(
+        "herd of 1000, one server hangs: {} of {AGENTS} agents did their {WORK_REQUESTS} requests; \
+         last served after {last} ms, median {median} ms, ideal {ideal_ms} ms ({:.2}× ideal); \
+         s0 out after {} ms; longest wait on the hung server {longest} ms \
+         (probe timeout 300 ms, detection bound {} ms); {} work requests failed; \
+         live before {before:?}; requests served {served}",
+        work["agents_done"],
+        last as f64 / ideal_ms as f64,
+        out.as_millis(),
+        DETECT_BOUND.as_millis(),
+        work["failed"],
+    );
+    println!("{line}");
+    record_figures(&line);
+    write_section(
+        "1-hung-server.md",
+        &format!(
+            "## One hung server\n\n\
+             The herd is connected ({before:?} live per server) when s0 hangs in \
+             place: it keeps accepting TCP and answers nothing. At that moment \
+             every agent starts {WORK_REQUESTS} `/work` requests back to back; a \
+             server serves {} of them per second, so the ideal time, the total \
+             work over the two healthy servers' capacity, is {ideal_ms} ms.\n\n\
+             | | |\n| --- | --- |\n\
+             | agents that did all their work | {} of {AGENTS} |\n\
+             | last agent served after | {last} ms ({:.2}× ideal) |\n\
+             | median agent served after | {median} ms |\n\
+             | s0 out of the table after | {} ms |\n\
+             | longest wait of any agent on s0 | {longest} ms |\n\
+             | work requests failed | {} |\n\n\
+             A server that accepts and never answers can only be found by a \
+             probe that times out, so no balancer can release an agent sooner \
+             than one probe timeout (300 ms) after its first probe to the hung \
+             server; the bound held here is the detection time, interval × fall \
+             + timeout with the waits' jitter ({} ms), after which \
+             close-on-failure ends every connection on s0 and the agents' retry \
+             goes to a healthy server.\n",
+            socklb_tests::cluster::WORK_PER_SECOND,
+            work["agents_done"],
+            last as f64 / ideal_ms as f64,
+            out.as_millis(),
+            work["failed"],
+            DETECT_BOUND.as_millis(),
+        ),
+    );
+    assert_eq!(
+        work["agents_done"], AGENTS,
+        "every agent finished: {summary}"
+    );
+    assert_eq!(work["failed"], 0, "no work request failed: {summary}");
+    assert!(
+        last * 10 <= ideal_ms * 12,
+        "every agent served within 1.2× the ideal {ideal_ms} ms: the last after {last} ms"
+    );
+    assert!(
+        Duration::from_millis(longest) <= DETECT_BOUND + Duration::from_millis(500),
+        "no agent waits on the hung server longer than the detection time: {longest} ms"
+    );
+}
+
+/// The recovered server's share of the connections opened in its first
+/// 5 s.
+struct Recovery {
+    label: &'static str,
+    /// Live per server when s2 was back, and 5 s later.
+    at_return: [i64; 3],
+    after: [i64; 3],
+}
+
+impl Recovery {
+    fn joined(&self) -> i64 {
+        self.after.iter().sum::<i64>() - self.at_return.iter().sum::<i64>()
+    }
+
+    /// s2's share of the new connections.
+    fn share(&self) -> f64 {
+        (self.after[2] - self.at_return[2]) as f64 / self.joined().max(1) as f64
+    }
+}
+
+/// 700 agents settled on s0 and s1 while s2 is down; s2 comes back and 300
+/// agents join at once.
+fn recovery(label: &'static str, flags: &[&str]) -> Recovery {
+    const SETTLED: u32 = 700;
+    let mut setup = Setup::new(label, flags);
+    let settled = setup.agents(SETTLED, &[]);
+    setup.wait_live("the settled agents connected", i64::from(SETTLED), |_| true);
+    setup.cluster.servers[2].kill();
+    let s2 = setup.addrs[2];
+    setup
+        .daemon
+        .wait_health(&[s2], false, Duration::from_secs(20));
+    setup.wait_live("s2's agents moved", i64::from(SETTLED), |live| live[2] == 0);
+    setup.cluster.servers[2].start();
+    setup
+        .daemon
+        .wait_health(&[s2], true, Duration::from_secs(20));
+    let back = Instant::now();
+    let at_return = setup.live();
+    let joining = setup.agents(AGENTS - SETTLED, &[]);
+    // The window the issue measures: the recovered server's first 5 s.
+    std::thread::sleep(Duration::from_secs(5).saturating_sub(back.elapsed()));
+    let after = setup.live();
+    let _ = (joining.summary(), settled.summary());
+    Recovery {
+        label,
+        at_return,
+        after,
+    }
+}
+
+#[test]
+fn a_recovery_herd_with_and_without_slow_start() {
+    let without = recovery("without slow start", &[]);
+    let with = recovery("with slow start 30 s", &["--slow-start", "30s"]);
+    let fair = 1.0 / 3.0;
+    let mut text = String::from(
+        "## Recovery herd\n\n\
+         700 agents are settled on s0 and s1 while s2 is down; s2 comes back \
+         and is healthy, and 300 more agents connect at once (spread over one \
+         second). The share of those new connections that s2 takes in its \
+         first 5 s, against its fair share of a third (three equal weights; \
+         goal with slow start: at most 1.5× fair):\n\n\
+         | | live when s2 was back | 5 s later | new connections | s2's share | × fair |\n\
+         | --- | --- | --- | --- | --- | --- |\n",
+    );
+    for run in [&without, &with] {
+        let line = format!(
+            "recovery herd, {}: live {:?} when s2 was back, {:?} 5 s later; s2 took {} of {} new connections ({:.2}, {:.2}× fair)",
+            run.label,
+            run.at_return,
+            run.after,
+            run.after[2] - run.at_return[2],
+            run.joined(),
+            run.share(),
+            run.share() / fair
+        );
+        println!("{line}");
+        record_figures(&line);
+        let _ = writeln!(
+            text,
+            "| {} | {:?} | {:?} | {} | {} ({:.2}) | {:.2} |",
+            run.label,
+            run.at_return,
+            run.after,
+            run.joined(),
+            run.after[2] - run.at_return[2],
+            run.share(),
+            run.share() / fair
+        );
+    }
+    text.push_str(
+        "\nWithout slow start the recovered server, with no live connection, \
+         wins every least-conn draw it is in; with it, its slots ramp from \
+         about 0 to its full weight over 30 s.\n",
+    );
+    write_section("3-recovery-herd.md", &text);
+    for run in [&without, &with] {
+        assert_eq!(
+            run.joined(),
+            300,
+            "every joining agent connected: {:?}",
+            run.after
+        );
+    }
+    assert!(
+        with.share() <= 1.5 * fair,
+        "with slow start s2 takes at most 1.5× its fair share: {:.2}",
+        with.share()
+    );
+    assert!(
+        without.share() > with.share(),
+        "slow start lowers the share: {:.2} without, {:.2} with",
+        without.share(),
+        with.share()
     );
 }

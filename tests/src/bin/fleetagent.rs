@@ -8,15 +8,22 @@
 //! interval. It runs until stdin closes (or `--max-seconds`), then prints
 //! one JSON summary.
 //!
+//! With `--work-requests K`, a line `work` on stdin starts a work phase:
+//! each agent sends K `/work` requests back to back on its connection
+//! (each with the same one retry), records when it finished and how long
+//! its longest failed attempt waited, and stops; the process ends when
+//! every agent has.
+//!
 //! Usage: fleetagent --addr VIP:PORT --cgroup DIR --agents N
 //!                   [--interval-ms 1000] [--max-seconds 600]
+//!                   [--work-requests K]
 
 use std::{
     collections::BTreeMap,
     io::{Read, Write},
     net::{SocketAddr, TcpStream},
     sync::{
-        Arc, Mutex,
+        Arc, Mutex, OnceLock,
         atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::{Duration, Instant},
@@ -42,6 +49,21 @@ struct Counters {
     max_ms: AtomicU64,
     servers: Mutex<BTreeMap<String, u64>>,
     errors: Mutex<Vec<String>>,
+    work: Mutex<WorkSummary>,
+}
+
+/// The work phase, over all agents.
+#[derive(Default, Serialize)]
+struct WorkSummary {
+    /// Agents that finished their K requests.
+    agents_done: u32,
+    requests: u64,
+    failed: u64,
+    /// When each agent finished, in ms from the `work` line, sorted.
+    finish_ms: Vec<u64>,
+    /// The longest failed attempt of any work request (the time an agent
+    /// sat on a server that never answered), in ms.
+    longest_failed_attempt_ms: u64,
 }
 
 #[derive(Serialize)]
@@ -56,6 +78,7 @@ struct Summary {
     servers: BTreeMap<String, u64>,
     /// The first errors seen, for the report.
     errors: Vec<String>,
+    work: WorkSummary,
 }
 
 type Connection = StreamOwned<ClientConnection, TcpStream>;
@@ -72,8 +95,8 @@ fn connect(addr: SocketAddr, config: &Arc<rustls::ClientConfig>) -> Result<Conne
 }
 
 /// One request on the agent's connection; returns the server's name.
-fn request(connection: &mut Connection, addr: SocketAddr) -> Result<String, String> {
-    let text = format!("GET /readyz HTTP/1.1\r\nhost: {addr}\r\nconnection: keep-alive\r\n\r\n");
+fn request(connection: &mut Connection, addr: SocketAddr, path: &str) -> Result<String, String> {
+    let text = format!("GET {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: keep-alive\r\n\r\n");
     connection
         .write_all(text.as_bytes())
         .map_err(|e| format!("send: {e}"))?;
@@ -128,73 +151,71 @@ fn ended(connection: &Connection, wait: Duration) -> bool {
     ready > 0 && entry.revents != 0
 }
 
-fn agent(
-    index: u32,
+/// What every agent shares: where to go, how, and when to stop or work.
+struct Shared {
     agents: u32,
     addr: SocketAddr,
     interval: Duration,
-    config: &Arc<rustls::ClientConfig>,
-    stop: &AtomicBool,
-    counters: &Counters,
-) {
-    let mut connection: Option<Connection> = None;
-    let mut jitter: u64 = 0x9e37_79b9_7f4a_7c15 ^ (u64::from(index) << 20 | 1);
-    let mut next = Instant::now() + interval * index / agents.max(1);
-    while !stop.load(Ordering::Relaxed) {
-        let now = Instant::now();
-        if next > now {
-            let wait = (next - now).min(Duration::from_millis(200));
-            match connection.as_ref() {
-                // Readable between requests: the server closed or reset it.
-                Some(open) if ended(open, wait) => {
-                    counters.reconnects.fetch_add(1, Ordering::Relaxed);
-                    counters.connects.fetch_add(1, Ordering::Relaxed);
-                    connection = connect(addr, config).ok();
-                }
-                Some(_) => {}
-                None => std::thread::sleep(wait),
-            }
-            continue;
-        }
-        next += interval;
-        let started = Instant::now();
+    work_requests: u32,
+    config: Arc<rustls::ClientConfig>,
+    stop: AtomicBool,
+    /// Set by the `work` line on stdin.
+    work_started: OnceLock<Instant>,
+    counters: Counters,
+}
+
+/// One agent: its connection and its retry jitter.
+struct Agent<'a> {
+    shared: &'a Shared,
+    connection: Option<Connection>,
+    jitter: u64,
+}
+
+impl Agent<'_> {
+    /// One request with one retry; the outcome and the longest failed
+    /// attempt, in ms.
+    fn request(&mut self, path: &str) -> (Result<String, String>, u64) {
+        let (shared, counters) = (self.shared, &self.shared.counters);
         let mut outcome = Err(String::new());
+        let mut longest_failed = 0;
         for attempt in 0..2 {
             if attempt == 1 {
                 counters.retried.fetch_add(1, Ordering::Relaxed);
                 // xorshift64: jitter without a random crate.
-                jitter ^= jitter << 13;
-                jitter ^= jitter >> 7;
-                jitter ^= jitter << 17;
-                std::thread::sleep(RETRY_AFTER + Duration::from_millis(jitter % RETRY_JITTER_MS));
+                self.jitter ^= self.jitter << 13;
+                self.jitter ^= self.jitter >> 7;
+                self.jitter ^= self.jitter << 17;
+                std::thread::sleep(
+                    RETRY_AFTER + Duration::from_millis(self.jitter % RETRY_JITTER_MS),
+                );
             }
-            if connection.is_none() {
+            let started = Instant::now();
+            if self.connection.is_none() {
                 counters.connects.fetch_add(1, Ordering::Relaxed);
-                match connect(addr, config) {
-                    Ok(fresh) => connection = Some(fresh),
+                match connect(shared.addr, &shared.config) {
+                    Ok(fresh) => self.connection = Some(fresh),
                     Err(error) => {
                         outcome = Err(error);
+                        longest_failed = longest_failed.max(started.elapsed().as_millis() as u64);
                         continue;
                     }
                 }
             }
-            let Some(open) = connection.as_mut() else {
+            let Some(open) = self.connection.as_mut() else {
                 continue;
             };
-            outcome = request(open, addr);
+            outcome = request(open, shared.addr, path);
             if outcome.is_ok() {
                 break;
             }
-            connection = None;
+            longest_failed = longest_failed.max(started.elapsed().as_millis() as u64);
+            self.connection = None;
         }
         counters.requests.fetch_add(1, Ordering::Relaxed);
-        match outcome {
+        match &outcome {
             Ok(server) => {
-                counters
-                    .max_ms
-                    .fetch_max(started.elapsed().as_millis() as u64, Ordering::Relaxed);
                 if let Ok(mut servers) = counters.servers.lock() {
-                    *servers.entry(server).or_default() += 1;
+                    *servers.entry(server.clone()).or_default() += 1;
                 }
             }
             Err(error) => {
@@ -202,8 +223,63 @@ fn agent(
                 if let Ok(mut errors) = counters.errors.lock()
                     && errors.len() < 10
                 {
-                    errors.push(error);
+                    errors.push(error.clone());
                 }
+            }
+        }
+        (outcome, longest_failed)
+    }
+
+    /// The work phase: K `/work` requests back to back.
+    fn work(&mut self, started: Instant) {
+        let (mut failed, mut longest_failed) = (0, 0);
+        for _ in 0..self.shared.work_requests {
+            let (outcome, longest) = self.request("/work");
+            failed += u64::from(outcome.is_err());
+            longest_failed = longest_failed.max(longest);
+        }
+        let finished = started.elapsed().as_millis() as u64;
+        if let Ok(mut work) = self.shared.counters.work.lock() {
+            work.agents_done += 1;
+            work.requests += u64::from(self.shared.work_requests);
+            work.failed += failed;
+            work.finish_ms.push(finished);
+            work.longest_failed_attempt_ms = work.longest_failed_attempt_ms.max(longest_failed);
+        }
+    }
+
+    fn run(&mut self, index: u32) {
+        let shared = self.shared;
+        let counters = &shared.counters;
+        let mut next = Instant::now() + shared.interval * index / shared.agents.max(1);
+        while !shared.stop.load(Ordering::Relaxed) {
+            if shared.work_requests > 0
+                && let Some(started) = shared.work_started.get()
+            {
+                self.work(*started);
+                return;
+            }
+            let now = Instant::now();
+            if next > now {
+                let wait = (next - now).min(Duration::from_millis(200));
+                match self.connection.as_ref() {
+                    // Readable between requests: the server closed or reset it.
+                    Some(open) if ended(open, wait) => {
+                        counters.reconnects.fetch_add(1, Ordering::Relaxed);
+                        counters.connects.fetch_add(1, Ordering::Relaxed);
+                        self.connection = connect(shared.addr, &shared.config).ok();
+                    }
+                    Some(_) => {}
+                    None => std::thread::sleep(wait),
+                }
+                continue;
+            }
+            next += shared.interval;
+            let started = Instant::now();
+            if self.request("/readyz").0.is_ok() {
+                counters
+                    .max_ms
+                    .fetch_max(started.elapsed().as_millis() as u64, Ordering::Relaxed);
             }
         }
     }
@@ -215,6 +291,7 @@ fn main() {
     let mut agents: u32 = 1;
     let mut interval = Duration::from_secs(1);
     let mut max = Duration::from_secs(600);
+    let mut work_requests: u32 = 0;
     let mut words = std::env::args().skip(1);
     while let Some(flag) = words.next() {
         let value = words.next().unwrap_or_default();
@@ -225,6 +302,7 @@ fn main() {
             "--agents" => agents = number().clamp(1, 5000) as u32,
             "--interval-ms" => interval = Duration::from_millis(number().max(10)),
             "--max-seconds" => max = Duration::from_secs(number().clamp(1, 3600)),
+            "--work-requests" => work_requests = number().min(100_000) as u32,
             other => {
                 eprintln!("fleetagent: unknown argument {other}");
                 std::process::exit(2);
@@ -245,35 +323,57 @@ fn main() {
         eprintln!("fleetagent: joining {cgroup}: {error}");
         std::process::exit(2);
     }
-    let config = client_config(&TlsOptions::default()).expect("TLS client");
-    let stop = Arc::new(AtomicBool::new(false));
+    let shared = Arc::new(Shared {
+        agents,
+        addr,
+        interval,
+        work_requests,
+        config: client_config(&TlsOptions::default()).expect("TLS client"),
+        stop: AtomicBool::new(false),
+        work_started: OnceLock::new(),
+        counters: Counters::default(),
+    });
     {
-        let stop = Arc::clone(&stop);
+        let shared = Arc::clone(&shared);
         std::thread::spawn(move || {
-            let mut sink = [0u8; 64];
-            while matches!(std::io::stdin().read(&mut sink), Ok(n) if n > 0) {}
-            stop.store(true, Ordering::SeqCst);
+            for line in std::io::stdin().lines() {
+                match line {
+                    Ok(line) if line.trim() == "work" => {
+                        let _ = shared.work_started.set(Instant::now());
+                    }
+                    Ok(_) => {}
+                    Err(_) => break,
+                }
+            }
+            shared.stop.store(true, Ordering::SeqCst);
         });
     }
     {
-        let stop = Arc::clone(&stop);
+        let shared = Arc::clone(&shared);
         std::thread::spawn(move || {
             std::thread::sleep(max);
-            stop.store(true, Ordering::SeqCst);
+            shared.stop.store(true, Ordering::SeqCst);
         });
     }
-    let counters = Counters::default();
     std::thread::scope(|scope| {
         for index in 0..agents {
-            let (config, stop, counters) = (&config, &stop, &counters);
+            let shared = &*shared;
             std::thread::Builder::new()
                 .stack_size(256 * 1024)
                 .spawn_scoped(scope, move || {
-                    agent(index, agents, addr, interval, config, stop, counters);
+                    let mut agent = Agent {
+                        shared,
+                        connection: None,
+                        jitter: 0x9e37_79b9_7f4a_7c15 ^ (u64::from(index) << 20 | 1),
+                    };
+                    agent.run(index);
                 })
                 .expect("an agent thread");
         }
     });
+    let counters = &shared.counters;
+    let mut work = std::mem::take(&mut *counters.work.lock().unwrap_or_else(|e| e.into_inner()));
+    work.finish_ms.sort_unstable();
     let summary = Summary {
         agents,
         requests: counters.requests.load(Ordering::Relaxed),
@@ -282,8 +382,9 @@ fn main() {
         connects: counters.connects.load(Ordering::Relaxed),
         reconnects: counters.reconnects.load(Ordering::Relaxed),
         max_ms: counters.max_ms.load(Ordering::Relaxed),
-        servers: counters.servers.into_inner().unwrap_or_default(),
-        errors: counters.errors.into_inner().unwrap_or_default(),
+        servers: std::mem::take(&mut *counters.servers.lock().unwrap_or_else(|e| e.into_inner())),
+        errors: std::mem::take(&mut *counters.errors.lock().unwrap_or_else(|e| e.into_inner())),
+        work,
     };
     println!("{}", serde_json::to_string(&summary).expect("summary"));
 }

@@ -1,7 +1,9 @@
 //! A small stand-in for a Kubernetes apiserver or k3s supervisor, for the
 //! scenario suites: TLS with a self-signed certificate, `/readyz` and
 //! `/ping` answer 200, `/cpu` burns about 50 ms of CPU first (like the
-//! node-password scrypt check of k3s), anything else 404. Each answer
+//! node-password scrypt check of k3s), `/work` is served at a fixed
+//! capacity (`cluster::WORK_PER_SECOND` per server, first come first
+//! served, as a server with a bounded worker pool), anything else 404. Each answer
 //! carries `x-server: NAME` and closes the connection, unless the request
 //! asked `connection: keep-alive` (a long-lived agent): then the
 //! connection serves the next request, and may idle for two minutes.
@@ -16,7 +18,7 @@ use std::{
     io::{Read, Write},
     net::{SocketAddr, TcpListener, TcpStream},
     sync::{
-        Arc,
+        Arc, Mutex,
         atomic::{AtomicBool, Ordering},
     },
     time::{Duration, Instant},
@@ -40,6 +42,22 @@ fn hold_silently<T>(stream: T) {
 
 use rustls::{ServerConfig, ServerConnection, StreamOwned};
 use rustls_pki_types::PrivateKeyDer;
+
+/// When the next `/work` request may be served.
+static NEXT_WORK: Mutex<Option<Instant>> = Mutex::new(None);
+
+/// Waits for this request's turn in the server's fixed capacity.
+fn wait_for_work_slot() {
+    let spacing = Duration::from_secs(1) / socklb_tests::cluster::WORK_PER_SECOND;
+    let slot = {
+        let mut next = NEXT_WORK.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        let slot = next.map_or(now, |next| next.max(now));
+        *next = Some(slot + spacing);
+        slot
+    };
+    std::thread::sleep(slot.saturating_duration_since(Instant::now()));
+}
 
 /// CPU time one `/cpu` request costs.
 const CPU_COST: Duration = Duration::from_millis(50);
@@ -103,6 +121,10 @@ fn serve(stream: TcpStream, config: Arc<ServerConfig>, name: &str) {
             "/readyz" => ("200 OK", "ok".to_string()),
             "/ping" => ("200 OK", "pong".to_string()),
             "/cpu" => ("200 OK", format!("{:x}", burn_cpu())),
+            "/work" => {
+                wait_for_work_slot();
+                ("200 OK", "done".to_string())
+            }
             _ => ("404 Not Found", "not found".to_string()),
         };
         let connection = if keep_alive { "keep-alive" } else { "close" };

@@ -46,6 +46,10 @@ pub const MAX_VIPS: u32 = 256;
 pub const MAX_LEGACY_REDIRECTS: u32 = 65536;
 /// Backends that `socklb drain` may mark at once (`DRAINS`).
 pub const MAX_DRAINS: u32 = 1024;
+/// Accelerated sockets (two per connection).
+pub const MAX_ACCEL_SOCKETS: u32 = 65536;
+/// Client sockets waiting for their backend's socket to be paired.
+pub const MAX_ACCEL_PENDING: u32 = 16384;
 /// Bytes of a service name kept in `TABLES` (NUL padded).
 pub const NAME_LEN: usize = 64;
 /// Bytes of a path kept in `DaemonRecord`, NUL included.
@@ -65,6 +69,8 @@ pub const SERVICE_FLAG_PREFER_LOCAL: u32 = 1 << 2;
 /// `ServiceEntry::flags`: pick the less loaded of two random healthy slots
 /// (power of two choices on `BackendConns::live`).
 pub const SERVICE_FLAG_LEAST_CONN: u32 = 1 << 3;
+/// The service's connections to backends in `ACCEL` are accelerated.
+pub const SERVICE_FLAG_ACCELERATE: u32 = 1 << 4;
 
 /// `BackendInfo::role`: an ordinary backend.
 pub const ROLE_NORMAL: u8 = 0;
@@ -90,8 +96,12 @@ pub mod features {
     /// `bpf_sk_storage_get` in sock_addr programs: without it the per-socket
     /// records go to the legacy LRU, which can evict them.
     pub const SK_STORAGE: u32 = 1 << 2;
+    /// sockmap acceleration: `bpf_get_netns_cookie` in sock_ops and sk_msg
+    /// programs (5.15) and socket storage. Without it nothing is
+    /// accelerated.
+    pub const SOCKMAP: u32 = 1 << 3;
     /// Everything; what the object assumes until the loader says otherwise.
-    pub const ALL: u32 = SET_RETVAL | NETNS_COOKIE | SK_STORAGE;
+    pub const ALL: u32 = SET_RETVAL | NETNS_COOKIE | SK_STORAGE | SOCKMAP;
 }
 
 /// Kinds of repair counted in `DaemonRecord::repairs`.
@@ -136,6 +146,7 @@ mod pod {
     unsafe impl aya::Pod for BackendConns {}
     unsafe impl aya::Pod for ConnectFailure {}
     unsafe impl aya::Pod for DaemonRecord {}
+    unsafe impl aya::Pod for SockKey {}
     unsafe impl aya::Pod for v0::BackendConnsV0 {}
 }
 

@@ -107,6 +107,65 @@ layout!(BACKEND_SLOT, BackendSlot, size 24, { target @ 0, backend_id @ 20 });
 /// `SocketRecord::flags`: the connection established and counts in
 /// `BackendConns::live` (so its close takes exactly one away).
 pub const SOCKET_FLAG_LIVE: u32 = 1 << 0;
+/// `SocketRecord::flags`: its service accelerates (sockmap); sock_ops
+/// pairs it with the backend's socket if that backend is in `ACCEL`.
+pub const SOCKET_FLAG_ACCELERATE: u32 = 1 << 1;
+
+/// Key of the `SOCKHASH` of accelerated sockets and of `ACCEL_PENDING`:
+/// one end of a TCP connection as that end sees it, in its network
+/// namespace. The peer's key swaps local and remote ([`SockKey::peer`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SockKey {
+    /// The socket's network namespace cookie: the two ends of a pair are
+    /// in one namespace, and a 4-tuple of another namespace never matches.
+    pub netns: u64,
+    /// This end's address, network byte order; IPv4 as `::ffff:a.b.c.d`,
+    /// so that an IPv6 socket dialling a mapped address and an IPv4 one
+    /// share a form.
+    pub local: [u32; 4],
+    /// The other end's address, in the same form.
+    pub remote: [u32; 4],
+    /// Host byte order.
+    pub local_port: u32,
+    /// Host byte order.
+    pub remote_port: u32,
+}
+layout!(SOCK_KEY, SockKey, size 48, {
+    netns @ 0, local @ 8, remote @ 24, local_port @ 40, remote_port @ 44,
+});
+
+impl SockKey {
+    /// The key of the other end of this connection.
+    pub const fn peer(&self) -> Self {
+        Self {
+            netns: self.netns,
+            local: self.remote,
+            remote: self.local,
+            local_port: self.remote_port,
+            remote_port: self.local_port,
+        }
+    }
+
+    /// An address word array in the key's form from an endpoint's.
+    pub const fn address(endpoint: &Endpoint) -> [u32; 4] {
+        if endpoint.family == FAMILY_V4 {
+            [0, 0, 0xffff_u32.to_be(), endpoint.addr_be[0]]
+        } else {
+            endpoint.addr_be
+        }
+    }
+
+    /// The endpoint of an address and port of a key.
+    pub const fn endpoint(addr: [u32; 4], port: u32) -> Endpoint {
+        let port_be = (port as u16).to_be();
+        if addr[0] == 0 && addr[1] == 0 && addr[2] == 0xffff_u32.to_be() {
+            Endpoint::v4(addr[3], port_be)
+        } else {
+            Endpoint::v6(addr, port_be)
+        }
+    }
+}
 
 /// Value of `SOCKETS` (socket-local storage, one per redirected socket,
 /// freed with the socket), and of the legacy `REDIRECTS` LRU keyed by
@@ -304,7 +363,7 @@ impl Default for DaemonRecord {
 }
 
 /// Every shared type's layout, for the ABI test.
-pub const LAYOUTS: [Layout; 12] = [
+pub const LAYOUTS: [Layout; 13] = [
     ENDPOINT,
     SERVICE_ENTRY,
     BACKEND_SLOT,
@@ -317,11 +376,12 @@ pub const LAYOUTS: [Layout; 12] = [
     TABLE_INFO,
     SETTINGS,
     DAEMON_RECORD,
+    SOCK_KEY,
 ];
 
 /// (map name, key size, value size) of every map with a fixed layout, for
 /// the ABI test: the embedded object must define each exactly so.
-pub const MAP_SIZES: [(&str, usize, usize); 11] = [
+pub const MAP_SIZES: [(&str, usize, usize); 15] = [
     (crate::names::SERVICES, 20, 24),
     (crate::names::SLOTS, 4, 24),
     (crate::names::SOCKETS, 4, 48),
@@ -333,6 +393,10 @@ pub const MAP_SIZES: [(&str, usize, usize); 11] = [
     (crate::names::BACKEND_CONNS, 4, 24),
     (crate::names::DRAINS, 20, 4),
     (crate::names::DAEMON, 4, 712),
+    (crate::names::SOCKHASH, 48, 4),
+    (crate::names::ACCEL_PENDING, 48, 4),
+    (crate::names::PASSED, 48, 4),
+    (crate::names::ACCEL, 20, 4),
 ];
 
 /// The first layout's types that an upgrade migrates from.

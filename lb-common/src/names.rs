@@ -31,6 +31,18 @@ pub const CONNECT_FAILURES: &str = "lb_failures_v1";
 pub const DRAINS: &str = "lb_drains_v1";
 /// The daemon's heartbeat, identity and repair counters.
 pub const DAEMON: &str = "lb_daemon_v1";
+/// Accelerated sockets by [`crate::SockKey`] (a SOCKHASH); the sk_msg
+/// program runs on every socket in it.
+pub const SOCKHASH: &str = "lb_sockhash_v1";
+/// Client sockets paired into `SOCKHASH`, until their backend's socket
+/// joins them (an LRU hash by `SockKey`).
+pub const ACCEL_PENDING: &str = "lb_accpend_v1";
+/// Accelerated sockets that sent a message the normal way and never
+/// redirect again (an LRU hash by `SockKey`).
+pub const PASSED: &str = "lb_passed_v1";
+/// Local backends of accelerating services (`Endpoint` → 1): sock_ops
+/// pairs connections to them, sk_msg redirects only while they are here.
+pub const ACCEL: &str = "lb_accel_v1";
 /// aya-log's ring buffer (aya-log names it). Pinned too, so that every
 /// load of the programs logs to the one the daemon reads.
 pub const AYA_LOGS: &str = "AYA_LOGS";
@@ -40,7 +52,7 @@ pub const AYA_LOGS: &str = "AYA_LOGS";
 pub const LEGACY_REDIRECTS: &str = "REDIRECTS";
 
 /// Every map socklb pins, in the order a fresh install creates them.
-pub const MAPS: [&str; 13] = [
+pub const MAPS: [&str; 17] = [
     SERVICES,
     SLOTS,
     SOCKETS,
@@ -53,6 +65,10 @@ pub const MAPS: [&str; 13] = [
     CONNECT_FAILURES,
     DRAINS,
     DAEMON,
+    SOCKHASH,
+    ACCEL_PENDING,
+    PASSED,
+    ACCEL,
     AYA_LOGS,
 ];
 
@@ -62,8 +78,10 @@ pub const GETPEERNAME4: &str = "socklb_getpeername4";
 pub const GETPEERNAME6: &str = "socklb_getpeername6";
 pub const SOCKOPS: &str = "socklb_sockops";
 
-/// Every program socklb attaches, each with one pinned link.
+/// Every program socklb attaches to the cgroup, each with one pinned link.
 pub const PROGRAMS: [&str; 5] = [CONNECT4, CONNECT6, GETPEERNAME4, GETPEERNAME6, SOCKOPS];
+/// The sk_msg program, attached to `SOCKHASH` (the map holds it; no link).
+pub const SKMSG: &str = "socklb_skmsg";
 
 /// Globals in the object's read-only data that the loader sets.
 pub mod globals {

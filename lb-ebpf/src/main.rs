@@ -4,6 +4,13 @@
 //! connections of each backend and reports connects that the server side
 //! failed (a reset, or an unanswered SYN), never one the client abandoned.
 //!
+//! sockmap acceleration (services with `accelerate = "sockmap"`): sock_ops
+//! puts both ends of a redirected connection to a local backend into a
+//! SOCKHASH, the client's when it establishes and the backend's accepted
+//! socket when it does; the sk_msg program then moves each message
+//! straight into the peer's receive queue. A message that cannot be
+//! redirected takes the normal path; none is ever dropped.
+//!
 //! Every entry point is a thin wrapper: it calls a worker and maps the result
 //! to "proceed" (1) or "refuse" (0). Anything that is not a TCP connect to a
 //! configured VIP proceeds untouched.
@@ -17,25 +24,26 @@
 use aya_ebpf::{
     EbpfContext,
     bindings::{
-        BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_RTO_CB, BPF_SOCK_OPS_RTO_CB_FLAG,
-        BPF_SOCK_OPS_STATE_CB, BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB,
-        bpf_sock_addr, bpf_sock_ops,
+        BPF_F_INGRESS, BPF_SOCK_OPS_ACTIVE_ESTABLISHED_CB, BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB,
+        BPF_SOCK_OPS_RTO_CB, BPF_SOCK_OPS_RTO_CB_FLAG, BPF_SOCK_OPS_STATE_CB,
+        BPF_SOCK_OPS_STATE_CB_FLAG, BPF_SOCK_OPS_TCP_CONNECT_CB, bpf_sock_addr, bpf_sock_ops,
     },
-    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf, SkStorage},
+    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray, RingBuf, SkStorage, SockHash},
     helpers::generated::{
         bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval,
         bpf_sk_storage_get,
     },
-    macros::{btf_map, cgroup_sock_addr, sock_ops},
-    programs::{SockAddrContext, SockOpsContext},
+    macros::{btf_map, cgroup_sock_addr, sk_msg, sock_ops},
+    programs::{SkMsgContext, SockAddrContext, SockOpsContext},
 };
 use aya_log_ebpf::debug;
 use lb_common::{
     BackendConns, BackendInfo, BackendSlot, BackendStats, CONNECT_FAILURES_BYTES, ConnectFailure,
-    DaemonRecord, EVIDENCE_RESET, EVIDENCE_SYN_TIMEOUT, Endpoint, FAMILY_V4, MAX_BACKENDS,
-    MAX_DRAINS, MAX_LEGACY_REDIRECTS, MAX_SLOTS, MAX_TABLES, MAX_VIPS, SERVICE_FLAG_ALL_NETNS,
-    SOCKET_FLAG_LIVE, ServiceEntry, Settings, SlotChoice, SocketRecord, TableInfo, TableStats,
-    choose_slot, features, port_from_user_port, second_is_less_loaded, second_slot,
+    DaemonRecord, EVIDENCE_RESET, EVIDENCE_SYN_TIMEOUT, Endpoint, FAMILY_V4, MAX_ACCEL_PENDING,
+    MAX_ACCEL_SOCKETS, MAX_BACKENDS, MAX_DRAINS, MAX_LEGACY_REDIRECTS, MAX_SLOTS, MAX_TABLES,
+    MAX_VIPS, SERVICE_FLAG_ACCELERATE, SERVICE_FLAG_ALL_NETNS, SOCKET_FLAG_ACCELERATE,
+    SOCKET_FLAG_LIVE, ServiceEntry, Settings, SlotChoice, SockKey, SocketRecord, TableInfo,
+    TableStats, choose_slot, features, port_from_user_port, second_is_less_loaded, second_slot,
     user_port_from_port,
 };
 
@@ -108,6 +116,36 @@ static CONNECT_FAILURES: RingBuf<ConnectFailure, { CONNECT_FAILURES_BYTES as usi
 /// `socklb status`; the programs never touch it.
 #[btf_map(name = "lb_daemon_v1")]
 static DAEMON: Array<DaemonRecord, 1> = Array::new();
+
+/// Accelerated sockets: both ends of each accelerated connection, each
+/// under its own `SockKey`. Written by sock_ops; the sk_msg program runs
+/// on every socket here. A socket leaves it when it closes.
+#[btf_map(name = "lb_sockhash_v1")]
+static SOCKHASH: SockHash<SockKey, { MAX_ACCEL_SOCKETS as usize }> = SockHash::new();
+
+/// Client sockets put into `SOCKHASH` whose backend socket has not joined
+/// yet. Written by sock_ops at the client's ACTIVE_ESTABLISHED, taken at
+/// the backend's PASSIVE_ESTABLISHED: only a connection socklb redirected
+/// gets its server side accelerated. A plain hash, not an LRU, which can
+/// evict before it is full; a client's entry goes when it closes.
+#[btf_map(name = "lb_accpend_v1")]
+static ACCEL_PENDING: HashMap<SockKey, u32, { MAX_ACCEL_PENDING as usize }> = HashMap::new();
+
+/// Accelerated sockets that sent a message the normal way (no peer yet,
+/// or acceleration removed): they never redirect again. The peer reads
+/// redirected messages before its TCP receive queue, so a redirect after a
+/// message on the normal path could overtake it. Written and read by
+/// sk_msg, emptied by sock_ops when the socket closes (a plain hash: an
+/// eviction would let a socket redirect again).
+#[btf_map(name = "lb_passed_v1")]
+static PASSED: HashMap<SockKey, u32, { MAX_ACCEL_SOCKETS as usize }> = HashMap::new();
+
+/// Local backends of accelerating services. Written by the daemon; read by
+/// sock_ops (pair only these) and sk_msg (redirect only while here, so
+/// that removing a backend sends its open connections back to the normal
+/// path without taking a socket out of `SOCKHASH`).
+#[btf_map(name = "lb_accel_v1")]
+static ACCEL: HashMap<Endpoint, u32, { MAX_BACKENDS as usize }> = HashMap::new();
 
 /// `lb_common::features` bits the kernel offers, set by the loader (the
 /// name is `lb_common::names::globals::FEATURES`). Read-only data: the
@@ -207,7 +245,7 @@ fn connect4(ctx: &SockAddrContext) -> Result<(), Refusal> {
         return Ok(());
     }
     let vip = unsafe { Endpoint::v4((*sa).user_ip4, port_from_user_port((*sa).user_port)) };
-    let Some(slot) = select_backend(ctx, &vip)? else {
+    let Some((slot, service_flags)) = select_backend(ctx, &vip)? else {
         return Ok(());
     };
     // A table of an IPv4 VIP only holds IPv4 backends; check anyway so a bad
@@ -219,7 +257,7 @@ fn connect4(ctx: &SockAddrContext) -> Result<(), Refusal> {
         (*sa).user_ip4 = slot.target.addr_be[0];
         (*sa).user_port = user_port_from_port(slot.target.port_be);
     }
-    remember(ctx, &vip, &slot);
+    remember(ctx, &vip, &slot, service_flags);
     Ok(())
 }
 
@@ -237,7 +275,7 @@ fn connect6(ctx: &SockAddrContext) -> Result<(), Refusal> {
     } else {
         Endpoint::v6(words, port_be)
     };
-    let Some(slot) = select_backend(ctx, &vip)? else {
+    let Some((slot, service_flags)) = select_backend(ctx, &vip)? else {
         return Ok(());
     };
     if slot.target.family != vip.family {
@@ -257,13 +295,17 @@ fn connect6(ctx: &SockAddrContext) -> Result<(), Refusal> {
         }
         (*sa).user_port = user_port_from_port(slot.target.port_be);
     }
-    remember(ctx, &vip, &slot);
+    remember(ctx, &vip, &slot, service_flags);
     Ok(())
 }
 
-/// Looks the VIP up and picks a backend slot. `Ok(None)`: not ours, proceed.
+/// Looks the VIP up and picks a backend slot; with the service's flags.
+/// `Ok(None)`: not ours, proceed.
 #[inline(always)]
-fn select_backend(ctx: &SockAddrContext, vip: &Endpoint) -> Result<Option<BackendSlot>, Refusal> {
+fn select_backend(
+    ctx: &SockAddrContext,
+    vip: &Endpoint,
+) -> Result<Option<(BackendSlot, u32)>, Refusal> {
     // SAFETY: the entry is copied out at once; the daemon replaces entries
     // with a fresh element (hash map update), never in place.
     let Some(entry) = (unsafe { SERVICES.get(vip) }).copied() else {
@@ -309,7 +351,7 @@ fn select_backend(ctx: &SockAddrContext, vip: &Endpoint) -> Result<Option<Backen
         ctx,
         "socklb: table {} slot {} -> backend {}", entry.table_id, index, slot.backend_id
     );
-    Ok(Some(slot))
+    Ok(Some((slot, entry.flags)))
 }
 
 #[inline(always)]
@@ -351,12 +393,17 @@ fn count_none_healthy(table_id: u32, rejected: bool) {
 /// Keeps the socket's facts: in its own storage, which lives and dies with
 /// it, or on a kernel without that, in the legacy LRU by cookie.
 #[inline(always)]
-fn remember(ctx: &SockAddrContext, vip: &Endpoint, slot: &BackendSlot) {
+fn remember(ctx: &SockAddrContext, vip: &Endpoint, slot: &BackendSlot, service_flags: u32) {
+    let flags = if service_flags & SERVICE_FLAG_ACCELERATE != 0 {
+        SOCKET_FLAG_ACCELERATE
+    } else {
+        0
+    };
     let mut record = SocketRecord {
         vip: *vip,
         backend: slot.target,
         backend_id: slot.backend_id,
-        flags: 0,
+        flags,
     };
     if has(features::SK_STORAGE) {
         // A socket that connects again (after a failed attempt) gets its
@@ -450,10 +497,213 @@ fn getpeername6(ctx: &SockAddrContext) {
 
 #[sock_ops]
 pub fn socklb_sockops(ctx: SockOpsContext) -> u32 {
+    let op = ctx.op();
+    if op == BPF_SOCK_OPS_PASSIVE_ESTABLISHED_CB {
+        if has(features::SOCKMAP) {
+            pair_backend_side(&ctx);
+        }
+        return 1;
+    }
+    if op == BPF_SOCK_OPS_STATE_CB && ctx.arg(1) == TCP_CLOSE && has(features::SOCKMAP) {
+        forget_accelerated(&ctx);
+    }
     count_connection(&ctx);
     // sock_ops verdicts are ignored for these callbacks; 1 is "ok".
     1
 }
+
+#[sk_msg]
+pub fn socklb_skmsg(ctx: SkMsgContext) -> u32 {
+    if has(features::SOCKMAP) {
+        redirect_to_peer(&ctx);
+    }
+    // With a redirect set up this sends the message to the peer; without
+    // one (no peer, acceleration removed) it takes the normal path. Never
+    // SK_DROP: a message is never lost here.
+    SK_PASS
+}
+
+const SK_PASS: u32 = 1;
+const AF_INET: u32 = 2;
+const AF_INET6: u32 = 10;
+const BPF_ANY: u64 = 0;
+
+/// An IPv4 address word in the `SockKey` form (`::ffff:a.b.c.d`).
+#[inline(always)]
+fn mapped(addr_be: u32) -> [u32; 4] {
+    [0, 0, V4_MAPPED_WORD_BE, addr_be]
+}
+
+/// A remote port as sock_ops and sk_msg contexts give it (network byte
+/// order, in the upper half of the word on little-endian kernels), in host
+/// byte order.
+#[inline(always)]
+fn remote_port_host(raw: u32) -> u32 {
+    let port_be = if raw & 0xffff == 0 {
+        raw >> 16
+    } else {
+        raw & 0xffff
+    };
+    u32::from(u16::from_be(port_be as u16))
+}
+
+/// One 4-byte field of a context, read with its own load at a constant
+/// offset: the verifier refuses a context pointer with a computed offset,
+/// which the compiler may otherwise make of two reads on two branches.
+macro_rules! context_field {
+    ($context:expr, $($field:tt)+) => {
+        // SAFETY: a valid context the kernel handed over; an aligned
+        // 4-byte read of one of its fields.
+        unsafe { core::ptr::read_volatile(&raw const (*$context).$($field)+) }
+    };
+}
+
+/// A `SockKey` from the fields that sock_ops and sk_msg contexts share.
+/// Every field is read first, unconditionally: a read on one branch only
+/// may be merged with another's into one load at a computed offset.
+macro_rules! context_key {
+    ($context:expr, $cookie:expr) => {{
+        let context = $context;
+        let family = context_field!(context, family);
+        let (local4, remote4) = (
+            context_field!(context, local_ip4),
+            context_field!(context, remote_ip4),
+        );
+        let local6 = [
+            context_field!(context, local_ip6[0]),
+            context_field!(context, local_ip6[1]),
+            context_field!(context, local_ip6[2]),
+            context_field!(context, local_ip6[3]),
+        ];
+        let remote6 = [
+            context_field!(context, remote_ip6[0]),
+            context_field!(context, remote_ip6[1]),
+            context_field!(context, remote_ip6[2]),
+            context_field!(context, remote_ip6[3]),
+        ];
+        let (local_port, remote_port) = (
+            context_field!(context, local_port),
+            context_field!(context, remote_port),
+        );
+        let (local, remote) = match family {
+            AF_INET => (mapped(local4), mapped(remote4)),
+            AF_INET6 => (local6, remote6),
+            _ => return None,
+        };
+        Some(SockKey {
+            netns: $cookie,
+            local,
+            remote,
+            local_port,
+            remote_port: remote_port_host(remote_port),
+        })
+    }};
+}
+
+/// This socket's key, from the sock_ops context.
+#[inline(always)]
+fn sock_ops_key(ctx: &SockOpsContext) -> Option<SockKey> {
+    context_key!(ctx.ops, unsafe { bpf_get_netns_cookie(ctx.as_ptr()) })
+}
+
+/// The sending socket's key, from the sk_msg context.
+#[inline(always)]
+fn sk_msg_key(ctx: &SkMsgContext) -> Option<SockKey> {
+    context_key!(ctx.msg, unsafe { bpf_get_netns_cookie(ctx.as_ptr()) })
+}
+
+/// The client side of an accelerated connection, at ACTIVE_ESTABLISHED:
+/// into `SOCKHASH`, and into `ACCEL_PENDING` for its backend's socket to
+/// find. Only a socket socklb sent to a local backend of an accelerating
+/// service gets here.
+#[inline(always)]
+fn pair_client_side(ctx: &SockOpsContext, backend: &Endpoint) {
+    if unsafe { ACCEL.get(backend) }.is_none() {
+        return;
+    }
+    let Some(mut key) = sock_ops_key(ctx) else {
+        return;
+    };
+    // SAFETY: the context of this callback, which the helper takes.
+    if SOCKHASH
+        .update(&mut key, unsafe { &mut *ctx.ops }, BPF_ANY)
+        .is_ok()
+    {
+        let _ = ACCEL_PENDING.insert(key, 1, 0);
+    }
+}
+
+/// The backend side, at PASSIVE_ESTABLISHED of an accepted socket: joins
+/// `SOCKHASH` only if its peer is a pending client socket (a connection
+/// socklb redirected and sock_ops paired), never for other traffic.
+#[inline(always)]
+fn pair_backend_side(ctx: &SockOpsContext) {
+    let Some(mut key) = sock_ops_key(ctx) else {
+        return;
+    };
+    let peer = key.peer();
+    if unsafe { ACCEL_PENDING.get(peer) }.is_none() {
+        return;
+    }
+    // Join first, then clear the pending mark: a client message that
+    // finds no mark finds this socket (see `redirect_to_peer`).
+    // SAFETY: as above.
+    if SOCKHASH
+        .update(&mut key, unsafe { &mut *ctx.ops }, BPF_ANY)
+        .is_ok()
+    {
+        // Its close clears what sk_msg records of it (`forget_accelerated`).
+        let flags = ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG;
+        let _ = ctx.set_cb_flags(flags as i32);
+    }
+    let _ = ACCEL_PENDING.remove(peer);
+}
+
+/// A socket that closes leaves `ACCEL_PENDING` and `PASSED` (it leaves
+/// `SOCKHASH` by itself). Runs for every socket whose state changes
+/// sock_ops follows: redirected clients and accelerated backends.
+#[inline(always)]
+fn forget_accelerated(ctx: &SockOpsContext) {
+    let Some(key) = sock_ops_key(ctx) else {
+        return;
+    };
+    let _ = ACCEL_PENDING.remove(key);
+    let _ = PASSED.remove(key);
+}
+
+/// Sets the message's redirect to the peer's receive queue, while the
+/// connection's backend (the client's remote end, or the backend's own
+/// local end) still accelerates and the peer is paired. Otherwise the
+/// message goes the normal way, and so does every later one of this socket
+/// (`PASSED`): bytes of one direction take one path from the first
+/// message that was not redirected on.
+#[inline(always)]
+fn redirect_to_peer(ctx: &SkMsgContext) {
+    let Some(key) = sk_msg_key(ctx) else {
+        return;
+    };
+    if unsafe { PASSED.get(key) }.is_some() {
+        return;
+    }
+    let client = SockKey::endpoint(key.remote, key.remote_port);
+    let backend = SockKey::endpoint(key.local, key.local_port);
+    let accelerated =
+        unsafe { ACCEL.get(client) }.is_some() || unsafe { ACCEL.get(backend) }.is_some();
+    // A client whose backend socket has not joined yet (its pending mark
+    // is still there) sends this message the normal way.
+    let pending = unsafe { ACCEL_PENDING.get(key) }.is_some();
+    let mut peer = key.peer();
+    // The helper returns SK_DROP when the peer is not in the map: no
+    // redirect is set then.
+    if !accelerated
+        || pending
+        || SOCKHASH.redirect_msg(ctx, &mut peer, u64::from(BPF_F_INGRESS)) != SK_PASS_LONG
+    {
+        let _ = PASSED.insert(key, 1, 0);
+    }
+}
+
+const SK_PASS_LONG: i64 = 1;
 
 /// TCP states, as in include/net/tcp_states.h.
 const TCP_SYN_SENT: u32 = 2;
@@ -532,6 +782,10 @@ fn count_connection(ctx: &SockOpsContext) {
             }
             if let Record::Stored(stored) = record {
                 unsafe { (*stored).flags |= SOCKET_FLAG_LIVE };
+            }
+            let facts = record.get();
+            if has(features::SOCKMAP) && facts.flags & SOCKET_FLAG_ACCELERATE != 0 {
+                pair_client_side(ctx, &facts.backend);
             }
             // An established connection's timeouts say nothing about the
             // server's health here; stop the RTO callbacks.

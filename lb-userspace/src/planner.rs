@@ -12,9 +12,9 @@ use std::{
 };
 
 use lb_common::{
-    Endpoint, FAMILY_V4, FAMILY_V6, MAX_BACKENDS, MAX_TABLES, SERVICE_FLAG_ALL_NETNS,
-    SERVICE_FLAG_LEAST_CONN, SERVICE_FLAG_PREFER_LOCAL, SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY,
-    SLOTS_PER_LIST,
+    Endpoint, FAMILY_V4, FAMILY_V6, MAX_BACKENDS, MAX_TABLES, SERVICE_FLAG_ACCELERATE,
+    SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_LEAST_CONN, SERVICE_FLAG_PREFER_LOCAL,
+    SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY, SLOTS_PER_LIST,
 };
 
 use crate::config::{BackendRole, Config, HealthSettings, NoneHealthyPolicy, SelectionPolicy};
@@ -39,6 +39,9 @@ pub struct BackendLayout {
     pub tier: Tier,
     /// Drained by the config: no new connections.
     pub drain: bool,
+    /// On this host (loopback or an address of this host): a connection to
+    /// it can be accelerated.
+    pub local: bool,
 }
 
 /// One selection table: a service's VIPs and backends of one family.
@@ -95,9 +98,9 @@ fn assign_ids(wanted: &[Option<u32>], limit: u32, busy: &HashSet<u32>) -> Vec<u3
 }
 
 impl Layout {
-    /// `is_local(ip)` says whether an address belongs to this host; it only
-    /// matters for services with the prefer-local policy. Ids follow config
-    /// order.
+    /// `is_local(ip)` says whether an address belongs to this host; it
+    /// matters for the prefer-local policy and for acceleration. Ids follow
+    /// config order.
     pub fn from_config(config: &Config, is_local: impl Fn(IpAddr) -> bool) -> Self {
         Self::keeping(config, is_local, &KnownIds::default())
     }
@@ -163,6 +166,9 @@ impl Layout {
             if service.all_netns {
                 flags |= SERVICE_FLAG_ALL_NETNS;
             }
+            if service.accelerate {
+                flags |= SERVICE_FLAG_ACCELERATE;
+            }
             for family in [FAMILY_V4, FAMILY_V6] {
                 let vips: Vec<SocketAddr> = service
                     .vips
@@ -179,12 +185,11 @@ impl Layout {
                     .filter(|backend| family_of(&backend.addr) == family)
                     .map(|backend| {
                         next_backend_id += 1;
+                        let local = backend.addr.ip().is_loopback() || is_local(backend.addr.ip());
                         let tier = match backend.role {
                             BackendRole::Standby => Tier::Standby,
                             BackendRole::Preferred => Tier::Preferred,
-                            BackendRole::Normal if prefer_local && is_local(backend.addr.ip()) => {
-                                Tier::Preferred
-                            }
+                            BackendRole::Normal if prefer_local && local => Tier::Preferred,
                             BackendRole::Normal => Tier::Normal,
                         };
                         BackendLayout {
@@ -193,6 +198,7 @@ impl Layout {
                             weight: backend.weight,
                             tier,
                             drain: backend.drain,
+                            local,
                         }
                     })
                     .collect();

@@ -14,8 +14,9 @@ use std::{
 
 use lb_common::{
     DAEMON_FLAG_RUNNING, DaemonRecord, PATH_LEN, ROLE_PREFERRED, ROLE_STANDBY,
-    SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_LEAST_CONN, SERVICE_FLAG_PREFER_LOCAL,
-    SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY, SLOTS_PER_LIST, ServiceEntry, repair,
+    SERVICE_FLAG_ACCELERATE, SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_LEAST_CONN,
+    SERVICE_FLAG_PREFER_LOCAL, SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY, SLOTS_PER_LIST, ServiceEntry,
+    SockKey, repair,
 };
 use serde::Serialize;
 
@@ -71,6 +72,8 @@ pub struct ServiceStatus {
     /// "fail-open" or "reject".
     pub when_none_healthy: String,
     pub all_netns: bool,
+    /// `accelerate = "sockmap"`.
+    pub accelerate: bool,
     /// Connects that found no healthy backend.
     pub none_healthy: u64,
     /// Of those, connects refused by the reject policy.
@@ -96,6 +99,12 @@ pub struct BackendStatus {
     pub failed_connects: u64,
     /// Whether the backend is in the table connects read now.
     pub in_table: bool,
+    /// For a backend that is accelerated (local, of an accelerating
+    /// service): its connections whose two ends are both in the sockhash
+    /// and still redirect, so that data moves socket to socket both ways.
+    /// 0 while the backend's process is outside the cgroup socklb watches.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub accelerated: Option<u64>,
 }
 
 fn path_of(field: &[u8; PATH_LEN]) -> Option<PathBuf> {
@@ -281,6 +290,7 @@ fn services(
                     "fail-open".into()
                 },
                 all_netns: info.flags & SERVICE_FLAG_ALL_NETNS != 0,
+                accelerate: info.flags & SERVICE_FLAG_ACCELERATE != 0,
                 none_healthy: 0,
                 rejected: 0,
                 backends: Vec::new(),
@@ -311,6 +321,12 @@ fn services(
             .map(|slot| slot.backend_id);
         in_table.entry(entry.table_id).or_default().extend(ids);
     }
+    let accelerated_backends = store.accelerated().unwrap_or_default();
+    let pairs = if accelerated_backends.is_empty() {
+        HashMap::new()
+    } else {
+        accelerated_pairs(&store.accelerated_sockets(), &accelerated_backends)
+    };
     let mut backend_records = backend_records;
     backend_records.sort_by_key(|(id, _)| *id);
     for (backend_id, info) in backend_records {
@@ -339,9 +355,29 @@ fn services(
             in_table: in_table
                 .get(&info.table_id)
                 .is_some_and(|ids| ids.contains(&backend_id)),
+            accelerated: accelerated_backends
+                .contains(&info.target)
+                .then(|| pairs.get(&info.target).copied().unwrap_or(0)),
         });
     }
     services.into_values().collect()
+}
+
+/// Connections whose two ends are both in the sockhash, by backend,
+/// counted at the client end (whose remote address is the backend).
+fn accelerated_pairs(
+    keys: &[SockKey],
+    backends: &std::collections::BTreeSet<lb_common::Endpoint>,
+) -> HashMap<lb_common::Endpoint, u64> {
+    let all: std::collections::HashSet<&SockKey> = keys.iter().collect();
+    let mut pairs = HashMap::new();
+    for key in keys {
+        let backend = SockKey::endpoint(key.remote, key.remote_port);
+        if backends.contains(&backend) && all.contains(&key.peer()) {
+            *pairs.entry(backend).or_insert(0) += 1;
+        }
+    }
+    pairs
 }
 
 fn policy_name(flags: u32) -> &'static str {

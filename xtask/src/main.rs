@@ -117,6 +117,10 @@ const TEST_PACKAGES: &[(&str, &str)] = &[
     // capabilities; systemd-analyze verifies the unit file.
     ("util-linux", "setpriv"),
     ("systemd", "systemd-analyze"),
+    // accel.rs: nginx with sendfile fetched by curl, TLS with openssl.
+    ("nginx", "nginx"),
+    ("curl", "curl"),
+    ("openssl", "openssl"),
 ];
 
 fn test(cargo_args: &[String]) -> Result<()> {

@@ -37,6 +37,7 @@ struct Flags {
     rebalance_tolerance: Option<f64>,
     rebalance_after: Option<String>,
     rebalance_rate: Option<i64>,
+    accelerate: Option<String>,
 }
 
 const PATHS: [&str; 4] = ["/nonexistent/socklb.pem", "/dev/zero", "/tmp", "/proc/self/status"];
@@ -79,6 +80,7 @@ fuzz_target!(|flags: Flags| {
         rebalance_tolerance: flags.rebalance_tolerance,
         rebalance_after: flags.rebalance_after,
         rebalance_rate: flags.rebalance_rate,
+        accelerate: flags.accelerate,
     };
     if let Ok(config) = from_flags(raw) {
         let _ = config.to_string();

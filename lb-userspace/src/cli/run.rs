@@ -20,7 +20,7 @@ pub struct RunArgs {
         "health_ca", "health_cert", "health_key", "health_server_name", "health_interval",
         "health_down_interval", "health_timeout", "rise", "fall", "connect_failures",
         "k3s_state", "endpointslices", "endpointslice_port", "kubeconfig", "slow_start",
-        "rebalance", "rebalance_tolerance", "rebalance_after", "rebalance_rate",
+        "rebalance", "rebalance_tolerance", "rebalance_after", "rebalance_rate", "accelerate",
     ])]
     config: Option<PathBuf>,
     /// VIP that clients connect to (repeatable; IPv4 and IPv6 may share a service).
@@ -58,6 +58,12 @@ pub struct RunArgs {
     /// tables [default: off].
     #[arg(long, value_name = "DURATION")]
     slow_start: Option<String>,
+    /// `sockmap`: connections to a backend on this host move their data
+    /// socket to socket in the kernel (sk_msg), skipping TCP/IP on
+    /// loopback; only where socklb's cgroup also holds the backend
+    /// [default: off].
+    #[arg(long, value_name = "sockmap|none")]
+    accelerate: Option<String>,
     /// Close connections on the most loaded backends (idlest first) while
     /// the live counts stay out of balance, so that clients reconnect to
     /// the others [default: off].
@@ -202,6 +208,7 @@ pub fn run(args: RunArgs) -> super::Outcome {
             rebalance_tolerance: args.rebalance_tolerance,
             rebalance_after: args.rebalance_after.clone(),
             rebalance_rate: args.rebalance_rate,
+            accelerate: args.accelerate.clone(),
         })?,
     };
     // After the config: a bad file is reported the same with or without

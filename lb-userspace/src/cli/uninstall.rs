@@ -63,11 +63,19 @@ pub fn uninstall(args: UninstallArgs) -> super::Outcome {
         ));
         return Ok(0);
     }
-    let removed = remove_pins(&paths);
-    let lines: String = removed
+    let removal = remove_pins(&paths);
+    let mut lines: String = removal
+        .removed
         .iter()
         .map(|path| format!("removed {}\n", path.display()))
         .collect();
+    if removal.accelerated_open > 0 {
+        lines.push_str(&format!(
+            "kept {}: {} accelerated sockets are still open; they carry on over the normal path, and removing it now would drop bytes queued for their readers. Run socklb uninstall again once they closed.\n",
+            paths.map(lb_common::names::SOCKHASH).display(),
+            removal.accelerated_open
+        ));
+    }
     super::print(&lines);
     Ok(0)
 }

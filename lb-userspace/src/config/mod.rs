@@ -240,6 +240,8 @@ pub struct Service {
     pub slow_start: Option<Duration>,
     /// Rebalancing of long-lived connections (None: off).
     pub rebalance: Option<Rebalance>,
+    /// sockmap acceleration of connections to backends on this host.
+    pub accelerate: bool,
 }
 
 /// When and how fast a service's connections are rebalanced.
@@ -371,6 +373,9 @@ impl fmt::Display for Config {
             writeln!(f, "  close-on-failure: {}", service.close_on_failure)?;
             if let Some(slow_start) = service.slow_start {
                 writeln!(f, "  slow-start: {slow_start:?}")?;
+            }
+            if service.accelerate {
+                writeln!(f, "  accelerate: sockmap (backends on this host)")?;
             }
             if let Some(rebalance) = service.rebalance {
                 writeln!(

@@ -52,6 +52,9 @@ pub struct RawService {
     pub rebalance_after: Option<String>,
     /// Connections closed per second at most (default 5).
     pub rebalance_rate: Option<i64>,
+    /// `sockmap`: same-host connections move data socket to socket
+    /// (default off).
+    pub accelerate: Option<String>,
 }
 
 /// A backend: `"ADDR:PORT[,weight=N][,preferred][,standby]"` or

@@ -137,6 +137,17 @@ pub(super) fn validate_service(
         parse_positive_duration(text, &field_name("slow-start", "--slow-start"), errors)
     });
     let rebalance = validate_rebalance(&raw, &field_name, errors);
+    let accelerate = match raw.accelerate.as_deref() {
+        None | Some("none") => false,
+        Some("sockmap") => true,
+        Some(text) => {
+            errors.push(field_error(
+                field_name("accelerate", "--accelerate"),
+                format!("unknown acceleration {text:?}; expected \"sockmap\" or \"none\""),
+            ));
+            false
+        }
+    };
     (errors.len() == before).then_some(Service {
         name,
         vips,
@@ -149,6 +160,7 @@ pub(super) fn validate_service(
         discovery,
         slow_start,
         rebalance,
+        accelerate,
     })
 }
 

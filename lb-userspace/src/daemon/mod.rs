@@ -1125,8 +1125,14 @@ impl Daemon {
         self.record.flags &= !DAEMON_FLAG_RUNNING;
         self.beat();
         if self.options.cleanup_on_exit {
-            let removed = dataplane::remove_pins(&self.paths);
-            info!("removed the data plane ({} pins)", removed.len());
+            let removal = dataplane::remove_pins(&self.paths);
+            info!("removed the data plane ({} pins)", removal.removed.len());
+            if removal.accelerated_open > 0 {
+                info!(
+                    "kept the sockhash pinned: {} accelerated sockets are still open and carry on over the normal path; `socklb uninstall` removes it once they closed",
+                    removal.accelerated_open
+                );
+            }
         } else {
             info!("exiting; the data plane stays in place and keeps redirecting");
         }

@@ -90,7 +90,7 @@ mod tests {
                 "{name}: key and value sizes"
             );
         }
-        for program in names::PROGRAMS {
+        for program in names::PROGRAMS.into_iter().chain([names::SKMSG]) {
             assert!(
                 object.programs.contains_key(program),
                 "program {program} is in the object"

@@ -14,7 +14,8 @@ use aya::{
 use lb_common::features;
 
 /// Test-only: a comma-separated list of features to treat as missing
-/// (`set-retval`, `netns-cookie`, `sk-storage`, `sock-destroy`), to test
+/// (`set-retval`, `netns-cookie`, `sk-storage`, `sock-destroy`,
+/// `sockmap`), to test
 /// each degraded mode on a kernel that has them all.
 pub const DISABLE_FOR_TEST: &str = "SOCKLB_TEST_DISABLE_FEATURES";
 
@@ -33,6 +34,9 @@ pub struct Features {
     /// The `bpf_sock_destroy` kfunc for socket iterators (6.5); known, not
     /// used (close-on-failure uses sock_diag).
     pub sock_destroy_kfunc: bool,
+    /// sockmap acceleration: `bpf_get_netns_cookie` in sock_ops and
+    /// sk_msg programs (5.15), with socket storage.
+    pub sockmap: bool,
 }
 
 impl Features {
@@ -43,6 +47,7 @@ impl Features {
         sk_storage: true,
         sock_destroy: true,
         sock_destroy_kfunc: true,
+        sockmap: true,
     };
 
     /// Probes the kernel, then applies the test-only switch.
@@ -56,6 +61,13 @@ impl Features {
             sk_storage: helper(BpfHelper::BPF_FUNC_sk_storage_get),
             sock_destroy: crate::sockets::destroy_supported(),
             sock_destroy_kfunc: kernel_btf_mentions(b"bpf_sock_destroy"),
+            sockmap: helper(BpfHelper::BPF_FUNC_sk_storage_get)
+                && [ProgramType::SockOps, ProgramType::SkMsg]
+                    .into_iter()
+                    .all(|kind| {
+                        is_helper_supported(kind, BpfHelper::BPF_FUNC_get_netns_cookie)
+                            .unwrap_or(false)
+                    }),
         };
         probed.without(&std::env::var(DISABLE_FOR_TEST).unwrap_or_default())
     }
@@ -66,7 +78,11 @@ impl Features {
             match name {
                 "set-retval" => self.set_retval = false,
                 "netns-cookie" => self.netns_cookie = false,
-                "sk-storage" => self.sk_storage = false,
+                "sk-storage" => {
+                    self.sk_storage = false;
+                    self.sockmap = false;
+                }
+                "sockmap" => self.sockmap = false,
                 "sock-destroy" => self.sock_destroy = false,
                 _ => {}
             }
@@ -85,6 +101,9 @@ impl Features {
         }
         if self.sk_storage {
             bits |= features::SK_STORAGE;
+        }
+        if self.sockmap {
+            bits |= features::SOCKMAP;
         }
         bits
     }
@@ -105,6 +124,9 @@ impl Features {
         if !self.sock_destroy {
             lines.push(Degradation::NoSockDestroy);
         }
+        if !self.sockmap {
+            lines.push(Degradation::NoSockmap);
+        }
         lines
     }
 }
@@ -116,6 +138,7 @@ pub enum Degradation {
     NoNetnsCookie,
     NoSkStorage,
     NoSockDestroy,
+    NoSockmap,
 }
 
 impl fmt::Display for Degradation {
@@ -132,6 +155,9 @@ impl fmt::Display for Degradation {
             }
             Self::NoSockDestroy => {
                 "kernel without SOCK_DESTROY over sock_diag (CONFIG_INET_DIAG_DESTROY): close-on-failure is off; connections to a failed backend stay until they end"
+            }
+            Self::NoSockmap => {
+                "kernel without bpf_get_netns_cookie in sock_ops and sk_msg programs (Linux < 5.15) or without socket storage: accelerate = \"sockmap\" is ignored, every connection takes the normal path"
             }
         })
     }
@@ -154,21 +180,26 @@ mod tests {
 
     #[test]
     fn the_test_switch_turns_features_off_one_by_one() {
+        let all = features::ALL;
         let cases = [
-            ("set-retval", features::NETNS_COOKIE | features::SK_STORAGE),
-            ("netns-cookie", features::SET_RETVAL | features::SK_STORAGE),
-            ("sk-storage", features::SET_RETVAL | features::NETNS_COOKIE),
-            ("sock-destroy", features::ALL),
-            ("", features::ALL),
+            ("set-retval", all & !features::SET_RETVAL, 1),
+            ("netns-cookie", all & !features::NETNS_COOKIE, 1),
+            (
+                "sk-storage",
+                all & !features::SK_STORAGE & !features::SOCKMAP,
+                2,
+            ),
+            ("sock-destroy", all, 1),
+            ("sockmap", all & !features::SOCKMAP, 1),
+            ("", all, 0),
         ];
-        for (off, bits) in cases {
+        for (off, bits, degradations) in cases {
             let features = Features::ALL.without(off);
             assert_eq!(features.bits(), bits, "{off}");
-            let lines = features.degradations();
-            assert_eq!(lines.len(), usize::from(!off.is_empty()), "{off}");
+            assert_eq!(features.degradations().len(), degradations, "{off}");
         }
         let none = Features::ALL.without("set-retval, netns-cookie,sk-storage,sock-destroy");
         assert_eq!(none.bits(), 0);
-        assert_eq!(none.degradations().len(), 4);
+        assert_eq!(none.degradations().len(), 5);
     }
 }

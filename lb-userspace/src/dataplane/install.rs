@@ -122,6 +122,9 @@ pub fn bring_up(
         migrate::carry_over(old, &mut maps, paths)?;
     }
     prepare(&mut maps)?;
+    // Before sock_ops can add a socket to the sockhash: a socket takes the
+    // sk_msg program the map has when it joins.
+    attach_sk_msg(&ebpf, &maps, paths)?;
     let sockets_id = maps
         .fd(names::SOCKETS)
         .ok_or(KernelError::MissingMap(names::SOCKETS))
@@ -149,6 +152,24 @@ pub fn bring_up(
         upgraded: old.is_some(),
         pinned,
         notes,
+    })
+}
+
+/// Attaches the sk_msg program to the sockhash, in place of the one a
+/// previous load attached. The map holds it as long as the map lives.
+fn attach_sk_msg(ebpf: &Ebpf, maps: &BpfMaps, paths: &PinPaths) -> Result<(), KernelError> {
+    let program = object::program_fd(ebpf, names::SKMSG)?;
+    let map = maps
+        .fd(names::SOCKHASH)
+        .ok_or(KernelError::MissingMap(names::SOCKHASH))?;
+    sys::attach_to_map(
+        map,
+        program.as_fd(),
+        aya_obj::generated::bpf_attach_type::BPF_SK_MSG_VERDICT,
+    )
+    .map_err(|source| KernelError::Io {
+        path: paths.map(names::SOCKHASH),
+        source,
     })
 }
 
@@ -189,12 +210,34 @@ pub fn repin_map(paths: &PinPaths, maps: &BpfMaps, name: &'static str) -> Result
     sys::pin(fd, &path).map_err(|source| KernelError::Io { path, source })
 }
 
+/// What [`remove_pins`] did.
+#[derive(Debug, Default)]
+pub struct Removal {
+    pub removed: Vec<PathBuf>,
+    /// Accelerated sockets still open, for which the sockhash kept its pin.
+    pub accelerated_open: usize,
+}
+
 /// Removes every pin socklb owns under `paths`, links first so that
 /// redirection stops before the maps go, then the directory if it is
-/// empty. Returns what was removed. Nothing else is touched.
-pub fn remove_pins(paths: &PinPaths) -> Vec<PathBuf> {
+/// empty. Nothing else is touched.
+///
+/// Acceleration stops first (`ACCEL` emptied: every message takes the
+/// normal path). A sockhash that still holds sockets keeps its pin: freeing
+/// it would take the sockets out and drop the bytes already moved into a
+/// reader's queue and not yet read. It goes with the next uninstall after
+/// those connections closed.
+pub fn remove_pins(paths: &PinPaths) -> Removal {
+    stop_accelerating(paths);
+    let sockhash = paths.map(names::SOCKHASH);
+    let accelerated_open = sys::open_pinned(&sockhash)
+        .and_then(|fd| sys::map_keys::<lb_common::SockKey>(fd.as_fd(), usize::MAX))
+        .map_or(0, |keys| keys.len());
     let mut removed = Vec::new();
     for path in paths.all() {
+        if accelerated_open > 0 && path == sockhash {
+            continue;
+        }
         if std::fs::remove_file(&path).is_ok() {
             removed.push(path);
             pinned_one();
@@ -202,7 +245,26 @@ pub fn remove_pins(paths: &PinPaths) -> Vec<PathBuf> {
     }
     // Fails, harmlessly, if someone else keeps files there.
     let _ = std::fs::remove_dir(&paths.dir);
-    removed
+    Removal {
+        removed,
+        accelerated_open,
+    }
+}
+
+/// Empties `ACCEL`, so that the sk_msg program redirects no more message.
+fn stop_accelerating(paths: &PinPaths) {
+    let Ok(data) = aya::maps::MapData::from_pin(paths.map(names::ACCEL)) else {
+        return;
+    };
+    let Ok(mut accel) =
+        aya::maps::HashMap::<_, lb_common::Endpoint, u32>::try_from(Map::HashMap(data))
+    else {
+        return;
+    };
+    let backends: Vec<lb_common::Endpoint> = accel.keys().flatten().collect();
+    for backend in backends {
+        let _ = accel.remove(&backend);
+    }
 }
 
 /// The shared map store of a pinned install, for the commands that only

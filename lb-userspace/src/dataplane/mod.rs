@@ -22,7 +22,7 @@ pub mod tables;
 
 use std::path::PathBuf;
 
-pub use install::{Running, bring_up, open_pinned, remove_pins};
+pub use install::{Removal, Running, bring_up, open_pinned, remove_pins};
 pub use links::{Attachment, CgroupTarget, LinkProblem};
 pub use object::BpfLogLevel;
 pub use pins::{DEFAULT_PIN_PATH, PinPaths};

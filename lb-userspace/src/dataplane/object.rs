@@ -134,7 +134,7 @@ pub fn load(
         loader.map_pin_path(name, path.as_path());
     }
     let mut ebpf = loader.load(EBPF_OBJECT)?;
-    for name in names::PROGRAMS {
+    for name in names::PROGRAMS.into_iter().chain([names::SKMSG]) {
         load_program(&mut ebpf, name)?;
     }
     let unpinned = shared
@@ -148,6 +148,7 @@ fn load_program(ebpf: &mut Ebpf, name: &'static str) -> Result<(), KernelError> 
     let result = match ebpf.program_mut(name) {
         Some(Program::CgroupSockAddr(program)) => program.load(),
         Some(Program::SockOps(program)) => program.load(),
+        Some(Program::SkMsg(program)) => program.load(),
         _ => Err(ProgramError::UnexpectedProgramType),
     };
     result.map_err(|source| KernelError::Program { name, source })
@@ -159,6 +160,7 @@ pub fn program_fd(ebpf: &Ebpf, name: &'static str) -> Result<std::os::fd::OwnedF
     let fd = match ebpf.program(name) {
         Some(Program::CgroupSockAddr(program)) => program.fd().map_err(program_error)?,
         Some(Program::SockOps(program)) => program.fd().map_err(program_error)?,
+        Some(Program::SkMsg(program)) => program.fd().map_err(program_error)?,
         _ => return Err(program_error(ProgramError::UnexpectedProgramType)),
     };
     std::os::fd::AsFd::as_fd(fd)

@@ -9,9 +9,9 @@ use std::{
 
 use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, MapError, PerCpuArray, PerCpuValues};
 use lb_common::{
-    BackendConns, BackendInfo, BackendSlot, BackendStats, DaemonRecord, Endpoint, MAX_BACKENDS,
-    MAX_DRAINS, MAX_SLOTS, MAX_TABLES, MAX_VIPS, ServiceEntry, Settings, SocketRecord, TableInfo,
-    TableStats, names,
+    BackendConns, BackendInfo, BackendSlot, BackendStats, DaemonRecord, Endpoint,
+    MAX_ACCEL_SOCKETS, MAX_BACKENDS, MAX_DRAINS, MAX_SLOTS, MAX_TABLES, MAX_VIPS, ServiceEntry,
+    Settings, SockKey, SocketRecord, TableInfo, TableStats, names,
 };
 
 use super::sys;
@@ -62,6 +62,13 @@ pub trait MapStore {
     fn settings(&self) -> Result<Settings, StoreError>;
     fn put_settings(&mut self, settings: &Settings) -> Result<(), StoreError>;
     fn drains(&self) -> Result<BTreeSet<Endpoint>, StoreError>;
+    /// Local backends of accelerating services (`ACCEL`).
+    fn accelerated(&self) -> Result<BTreeSet<Endpoint>, StoreError>;
+    fn put_accelerated(&mut self, backend: &Endpoint) -> Result<(), StoreError>;
+    fn delete_accelerated(&mut self, backend: &Endpoint) -> Result<(), StoreError>;
+    /// The keys of the sockets in `SOCKHASH` that still redirect (not in
+    /// `PASSED`).
+    fn accelerated_sockets(&self) -> Vec<SockKey>;
     fn put_drain(&mut self, backend: &Endpoint) -> Result<(), StoreError>;
     fn delete_drain(&mut self, backend: &Endpoint) -> Result<(), StoreError>;
     fn daemon(&self) -> Result<DaemonRecord, StoreError>;
@@ -94,6 +101,9 @@ pub struct BpfMaps {
     backend_stats: PerCpuArray<MapData, BackendStats>,
     backend_conns: Array<MapData, BackendConns>,
     drains: BpfHashMap<MapData, Endpoint, u32>,
+    /// Local backends of accelerating services (absent in an install of a
+    /// socklb before acceleration, which `status` may read).
+    accel: Option<BpfHashMap<MapData, Endpoint, u32>>,
     table_stats: PerCpuArray<MapData, TableStats>,
     settings: Array<MapData, Settings>,
     daemon: Array<MapData, DaemonRecord>,
@@ -108,6 +118,7 @@ fn map_data(map: &Map) -> Option<&MapData> {
         | Map::LruHashMap(data)
         | Map::PerCpuArray(data)
         | Map::SkStorage(data)
+        | Map::SockHash(data)
         | Map::RingBuf(data) => Some(data),
         _ => None,
     }
@@ -146,6 +157,7 @@ impl BpfMaps {
             backend_stats: typed!(names::BACKEND_STATS),
             backend_conns: typed!(names::BACKEND_CONNS),
             drains: typed!(names::DRAINS),
+            accel: None,
             table_stats: typed!(names::TABLE_STATS),
             settings: typed!(names::SETTINGS),
             daemon: typed!(names::DAEMON),
@@ -158,12 +170,18 @@ impl BpfMaps {
         take(names::CONNECT_FAILURES)?;
         take(names::SOCKETS)?;
         let _ = take(names::AYA_LOGS);
+        // Absent from an install of a socklb before acceleration.
+        let _ = take(names::SOCKHASH);
+        let _ = take(names::ACCEL_PENDING);
+        let _ = take(names::PASSED);
+        let accel = take(names::ACCEL).ok().and_then(|map| map.try_into().ok());
         let legacy = take(names::LEGACY_REDIRECTS)
             .ok()
             .and_then(|map| map.try_into().ok());
         Ok(Self {
             fds,
             legacy,
+            accel,
             ..maps
         })
     }
@@ -304,6 +322,42 @@ impl MapStore for BpfMaps {
         absent_is_ok(self.drains.remove(backend)).map_err(failed(names::DRAINS))
     }
 
+    fn accelerated(&self) -> Result<BTreeSet<Endpoint>, StoreError> {
+        if self.accel.is_none() {
+            return Ok(BTreeSet::new());
+        }
+        let entries: Vec<(Endpoint, u32)> = self.dump(names::ACCEL, MAX_BACKENDS)?;
+        Ok(entries.into_iter().map(|(backend, _)| backend).collect())
+    }
+
+    fn put_accelerated(&mut self, backend: &Endpoint) -> Result<(), StoreError> {
+        let accel = self
+            .accel
+            .as_mut()
+            .ok_or_else(|| StoreError::new(names::ACCEL, "not open"))?;
+        accel.insert(backend, 1, 0).map_err(failed(names::ACCEL))
+    }
+
+    fn delete_accelerated(&mut self, backend: &Endpoint) -> Result<(), StoreError> {
+        let Some(accel) = self.accel.as_mut() else {
+            return Ok(());
+        };
+        absent_is_ok(accel.remove(backend)).map_err(failed(names::ACCEL))
+    }
+
+    fn accelerated_sockets(&self) -> Vec<SockKey> {
+        let keys = |name| -> Vec<SockKey> {
+            self.fd(name)
+                .and_then(|fd| sys::map_keys(fd, MAX_ACCEL_SOCKETS as usize).ok())
+                .unwrap_or_default()
+        };
+        let passed: std::collections::HashSet<SockKey> = keys(names::PASSED).into_iter().collect();
+        keys(names::SOCKHASH)
+            .into_iter()
+            .filter(|key| !passed.contains(key))
+            .collect()
+    }
+
     fn daemon(&self) -> Result<DaemonRecord, StoreError> {
         self.daemon.get(&0, 0).map_err(failed(names::DAEMON))
     }
@@ -375,6 +429,7 @@ pub struct MemoryMaps {
     pub tables: BTreeMap<u32, TableInfo>,
     pub settings: Settings,
     pub drains: BTreeSet<Endpoint>,
+    pub accelerated: BTreeSet<Endpoint>,
     pub daemon: DaemonRecord,
     pub conns: BTreeMap<u32, BackendConns>,
     pub redirect_counts: BTreeMap<u32, u64>,
@@ -483,6 +538,26 @@ impl MapStore for MemoryMaps {
     fn delete_drain(&mut self, backend: &Endpoint) -> Result<(), StoreError> {
         self.write(names::DRAINS)?;
         self.drains.remove(backend);
+        Ok(())
+    }
+
+    fn accelerated(&self) -> Result<BTreeSet<Endpoint>, StoreError> {
+        Ok(self.accelerated.clone())
+    }
+
+    fn put_accelerated(&mut self, backend: &Endpoint) -> Result<(), StoreError> {
+        self.write(names::ACCEL)?;
+        self.accelerated.insert(*backend);
+        Ok(())
+    }
+
+    fn accelerated_sockets(&self) -> Vec<SockKey> {
+        Vec::new()
+    }
+
+    fn delete_accelerated(&mut self, backend: &Endpoint) -> Result<(), StoreError> {
+        self.write(names::ACCEL)?;
+        self.accelerated.remove(backend);
         Ok(())
     }
 

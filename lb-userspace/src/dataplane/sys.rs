@@ -1,6 +1,7 @@
 //! The few bpf(2) commands that aya does not expose: a cgroup link's
 //! target, a program's maps and name, the programs attached to a cgroup,
-//! object fds by id, and batch lookups. Each is a thin, safe wrapper around
+//! object fds by id, batch lookups, and a program attached to a sockhash
+//! that outlives the daemon. Each is a thin, safe wrapper around
 //! one syscall with a `#[repr(C)]` attribute struct of the kernel's stable
 //! ABI; the kernel accepts an attribute shorter than its own and zeroes the
 //! rest.
@@ -330,6 +331,62 @@ pub fn map_id(fd: BorrowedFd<'_>) -> io::Result<u32> {
     let mut raw = RawMapInfo::default();
     object_info(fd, &mut raw)?;
     Ok(raw.id)
+}
+
+#[repr(C)]
+struct NextKeyAttr {
+    map_fd: u32,
+    _pad: u32,
+    key: u64,
+    next_key: u64,
+}
+
+/// Up to `limit` keys of a map (BPF_MAP_GET_NEXT_KEY), for maps whose
+/// values cannot be read from user space, such as a sockhash's.
+pub fn map_keys<K: aya::Pod + Default>(fd: BorrowedFd<'_>, limit: usize) -> io::Result<Vec<K>> {
+    let mut keys: Vec<K> = Vec::new();
+    let mut next = K::default();
+    for _ in 0..limit {
+        let mut attr = NextKeyAttr {
+            map_fd: fd.as_raw_fd() as u32,
+            _pad: 0,
+            // No key (0) asks for the first one.
+            key: keys
+                .last()
+                .map_or(0, |last| std::ptr::from_ref(last) as u64),
+            next_key: std::ptr::from_mut(&mut next) as u64,
+        };
+        match bpf(bpf_cmd::BPF_MAP_GET_NEXT_KEY, &mut attr) {
+            Ok(_) => keys.push(next),
+            Err(error) if error.raw_os_error() == Some(libc::ENOENT) => break,
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(keys)
+}
+
+#[repr(C)]
+struct ProgAttachAttr {
+    target_fd: u32,
+    attach_bpf_fd: u32,
+    attach_type: u32,
+    attach_flags: u32,
+}
+
+/// Attaches a program to a sockmap or sockhash (BPF_PROG_ATTACH), in place
+/// of the one there: the map holds it, for as long as the map lives.
+pub fn attach_to_map(
+    map: BorrowedFd<'_>,
+    program: BorrowedFd<'_>,
+    attach_type: bpf_attach_type,
+) -> io::Result<()> {
+    let mut attr = ProgAttachAttr {
+        target_fd: map.as_raw_fd() as u32,
+        attach_bpf_fd: program.as_raw_fd() as u32,
+        attach_type: attach_type as u32,
+        attach_flags: 0,
+    };
+    bpf(bpf_cmd::BPF_PROG_ATTACH, &mut attr).map(drop)
 }
 
 #[repr(C)]

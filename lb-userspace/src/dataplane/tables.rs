@@ -16,7 +16,7 @@ use std::{
 
 use lb_common::{
     BackendInfo, BackendSlot, Endpoint, NAME_LEN, ROLE_NORMAL, ROLE_PREFERRED, ROLE_STANDBY,
-    SLOTS_PER_LIST, ServiceEntry, Settings, TableInfo, bank_base, repair,
+    SERVICE_FLAG_ACCELERATE, SLOTS_PER_LIST, ServiceEntry, Settings, TableInfo, bank_base, repair,
 };
 
 use super::store::{MapStore, StoreError};
@@ -44,6 +44,8 @@ pub struct Desired {
     pub table_records: BTreeMap<u32, TableInfo>,
     pub backends: BTreeMap<u32, BackendInfo>,
     pub drains: BTreeSet<Endpoint>,
+    /// Local backends of accelerating services (`ACCEL`).
+    pub accelerated: BTreeSet<Endpoint>,
 }
 
 /// The health view of one backend that its record shows.
@@ -101,6 +103,9 @@ impl Desired {
             );
         }
         for (table, backend) in layout.backends() {
+            if table.flags & SERVICE_FLAG_ACCELERATE != 0 && backend.local {
+                desired.accelerated.insert(endpoint(&backend.addr));
+            }
             let state = health(backend.id);
             desired.backends.insert(
                 backend.id,
@@ -158,6 +163,7 @@ pub struct Written {
     pub table_records: BTreeMap<u32, TableInfo>,
     pub backends: BTreeMap<u32, BackendInfo>,
     pub drains: BTreeSet<Endpoint>,
+    pub accelerated: BTreeSet<Endpoint>,
 }
 
 /// One difference between the maps and what socklb wrote.
@@ -186,6 +192,8 @@ pub enum Drift {
         backend_id: u32,
     },
     Drains,
+    /// `ACCEL` differs (counted with the drains: both are sets of backends).
+    Accelerated,
 }
 
 impl Drift {
@@ -197,7 +205,7 @@ impl Drift {
             Self::Slots { .. } => repair::SLOTS,
             Self::TableRecord { .. } => repair::TABLES,
             Self::BackendRecord { .. } => repair::BACKENDS,
-            Self::Drains => repair::DRAINS,
+            Self::Drains | Self::Accelerated => repair::DRAINS,
         }
     }
 }
@@ -244,6 +252,7 @@ impl fmt::Display for Drift {
                 write!(f, "the BACKENDS record {backend_id} was changed")
             }
             Self::Drains => write!(f, "DRAINS differs from the drains socklb keeps"),
+            Self::Accelerated => write!(f, "ACCEL differs from the accelerated backends"),
         }
     }
 }
@@ -275,6 +284,7 @@ impl Writer {
                 table_records: store.tables()?.into_iter().collect(),
                 backends: store.backends()?.into_iter().collect(),
                 drains: store.drains()?,
+                accelerated: store.accelerated()?,
             },
         })
     }
@@ -327,6 +337,7 @@ impl Writer {
             .tables
             .retain(|table_id, _| table_ids.contains(table_id));
         self.write_drains(store, &desired.drains)?;
+        self.write_accelerated(store, &desired.accelerated)?;
         Ok(report)
     }
 
@@ -412,25 +423,27 @@ impl Writer {
         store: &mut dyn MapStore,
         drains: &BTreeSet<Endpoint>,
     ) -> Result<(), StoreError> {
-        for gone in self
-            .written
-            .drains
-            .difference(drains)
-            .copied()
-            .collect::<Vec<_>>()
-        {
-            store.delete_drain(&gone)?;
-            self.written.drains.remove(&gone);
-        }
-        for added in drains
-            .difference(&self.written.drains)
-            .copied()
-            .collect::<Vec<_>>()
-        {
-            store.put_drain(&added)?;
-            self.written.drains.insert(added);
-        }
-        Ok(())
+        sync_set(
+            store,
+            &mut self.written.drains,
+            drains,
+            |store, backend| store.put_drain(backend),
+            |store, backend| store.delete_drain(backend),
+        )
+    }
+
+    fn write_accelerated(
+        &mut self,
+        store: &mut dyn MapStore,
+        accelerated: &BTreeSet<Endpoint>,
+    ) -> Result<(), StoreError> {
+        sync_set(
+            store,
+            &mut self.written.accelerated,
+            accelerated,
+            |store, backend| store.put_accelerated(backend),
+            |store, backend| store.delete_accelerated(backend),
+        )
     }
 
     /// Fills a bank that no VIP entry points at, then switches the table's
@@ -571,6 +584,9 @@ impl Writer {
         if store.drains()? != self.written.drains {
             drifts.push(Drift::Drains);
         }
+        if store.accelerated()? != self.written.accelerated {
+            drifts.push(Drift::Accelerated);
+        }
         Ok(drifts)
     }
 
@@ -615,10 +631,39 @@ impl Writer {
                         store.put_drain(missing)?;
                     }
                 }
+                Drift::Accelerated => {
+                    let found = store.accelerated()?;
+                    for extra in found.difference(&self.written.accelerated) {
+                        store.delete_accelerated(extra)?;
+                    }
+                    for missing in self.written.accelerated.difference(&found) {
+                        store.put_accelerated(missing)?;
+                    }
+                }
             }
         }
         Ok(())
     }
+}
+
+/// Makes a set of backends in a map equal `wanted`, writing only the
+/// differences (removals first), and keeps `written` in step.
+fn sync_set(
+    store: &mut dyn MapStore,
+    written: &mut BTreeSet<Endpoint>,
+    wanted: &BTreeSet<Endpoint>,
+    put: fn(&mut dyn MapStore, &Endpoint) -> Result<(), StoreError>,
+    delete: fn(&mut dyn MapStore, &Endpoint) -> Result<(), StoreError>,
+) -> Result<(), StoreError> {
+    for gone in written.difference(wanted).copied().collect::<Vec<_>>() {
+        delete(store, &gone)?;
+        written.remove(&gone);
+    }
+    for added in wanted.difference(written).copied().collect::<Vec<_>>() {
+        put(store, &added)?;
+        written.insert(added);
+    }
+    Ok(())
 }
 
 fn count_differing(found: &[BackendSlot], wanted: &[BackendSlot]) -> usize {

@@ -333,6 +333,20 @@ impl MapStore for LimitedWrites<'_> {
         self.spend()?;
         self.inner.delete_drain(backend)
     }
+    fn accelerated(&self) -> Result<std::collections::BTreeSet<Endpoint>, StoreError> {
+        self.inner.accelerated()
+    }
+    fn put_accelerated(&mut self, backend: &Endpoint) -> Result<(), StoreError> {
+        self.spend()?;
+        self.inner.put_accelerated(backend)
+    }
+    fn delete_accelerated(&mut self, backend: &Endpoint) -> Result<(), StoreError> {
+        self.spend()?;
+        self.inner.delete_accelerated(backend)
+    }
+    fn accelerated_sockets(&self) -> Vec<lb_common::SockKey> {
+        self.inner.accelerated_sockets()
+    }
     fn daemon(&self) -> Result<lb_common::DaemonRecord, StoreError> {
         self.inner.daemon()
     }

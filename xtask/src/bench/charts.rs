@@ -14,6 +14,7 @@ fn color(route: Route) -> RGBColor {
     match route {
         Route::Direct => RGBColor(140, 140, 140),
         Route::Socklb => RGBColor(31, 119, 180),
+        Route::Sockmap => RGBColor(148, 103, 189),
         Route::Haproxy => RGBColor(255, 127, 14),
         Route::Nginx => RGBColor(44, 160, 44),
     }

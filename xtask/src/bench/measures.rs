@@ -5,6 +5,7 @@
 use std::{fmt::Write as _, fs, path::Path, process::Command, time::Duration};
 
 use anyhow::{Context, Result, bail};
+use lb_common::names as socklb_names;
 use serde_json::Value;
 use socklb_tests::{Cgroup, Daemon};
 
@@ -265,6 +266,26 @@ impl HookPrograms {
                 daemon.pin_path.display()
             );
         }
+        // The sk_msg program has no link: it is the one attached to this
+        // daemon's sockhash, the only socklb_skmsg that uses that map.
+        let sockhash = pins.map(socklb_names::SOCKHASH);
+        let map = bpftool(&["map", "show", "pinned", &sockhash.display().to_string()])?;
+        if let Some(map_id) = map["id"].as_u64() {
+            let programs = bpftool(&["prog", "show"])?;
+            ids.extend(
+                programs
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|program| {
+                        program["name"].as_str() == Some(socklb_names::SKMSG)
+                            && program["map_ids"].as_array().is_some_and(|maps| {
+                                maps.iter().any(|id| id.as_u64() == Some(map_id))
+                            })
+                    })
+                    .filter_map(|program| program["id"].as_u64()),
+            );
+        }
         Ok(Self { ids })
     }
 
@@ -292,6 +313,122 @@ impl HookPrograms {
         }
         Ok(counters)
     }
+}
+
+/// Busy CPU seconds of the whole machine since boot: every state of
+/// /proc/stat's first line but idle and iowait.
+pub fn machine_busy_seconds() -> Result<f64> {
+    let text = fs::read_to_string("/proc/stat").context("reading /proc/stat")?;
+    let ticks: Vec<f64> = text
+        .lines()
+        .next()
+        .context("/proc/stat is empty")?
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .map(|field| field.parse().unwrap_or(0.0))
+        .collect();
+    let idle = ticks.get(3).copied().unwrap_or(0.0) + ticks.get(4).copied().unwrap_or(0.0);
+    Ok((ticks.iter().sum::<f64>() - idle) / super::process::clock_ticks_per_second())
+}
+
+/// The kernel's slab memory now, in bytes (/proc/meminfo `Slab`).
+fn slab_bytes() -> Result<f64> {
+    let text = fs::read_to_string("/proc/meminfo").context("reading /proc/meminfo")?;
+    text.lines()
+        .find_map(|line| line.strip_prefix("Slab:"))
+        .and_then(|rest| {
+            rest.trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse::<f64>()
+                .ok()
+        })
+        .map(|kib| kib * 1024.0)
+        .context("no Slab line in /proc/meminfo")
+}
+
+/// Connections held open for the memory measure, per run.
+pub const MEMORY_CONNECTIONS: u32 = 2000;
+
+/// Slab bytes that `MEMORY_CONNECTIONS` idle connections through a route
+/// add while they are open (connclient holds them; socklb's status says
+/// when they all are, and for sockmap when they all are accelerated).
+fn slab_while_holding(lab: &mut super::setup::Lab, route: super::Route) -> Result<f64> {
+    let setup = lab.route(route);
+    let backend = lab.backend_of(route).http.to_string();
+    let before = slab_bytes()?;
+    let mut holder = std::process::Command::new(socklb_tests::cluster::helper_bin("connclient"))
+        .args([
+            "--hold",
+            "--addr",
+            &setup.targets.http.to_string(),
+            "--cgroup",
+        ])
+        .arg(&setup.cgroup)
+        .args([
+            "--count",
+            &MEMORY_CONNECTIONS.to_string(),
+            "--hold-ms",
+            "120000",
+        ])
+        .arg("--until-stdin-closes")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .context("starting connclient")?;
+    let wanted = i64::from(MEMORY_CONNECTIONS);
+    let count = |lab: &super::setup::Lab, field: &str| -> i64 {
+        lab.daemon
+            .status()
+            .and_then(|status| socklb_tests::backend_field(&status, &backend, field))
+            .and_then(|value| value.as_i64())
+            .unwrap_or(-1)
+    };
+    // All open (and for sockmap, all but a hundredth at most paired).
+    let opened = wait_until(Duration::from_secs(60), || {
+        count(lab, "live") == wanted
+            && (route != super::Route::Sockmap || count(lab, "accelerated") * 100 >= wanted * 99)
+    });
+    let during = slab_bytes()?;
+    let paired = count(lab, "accelerated");
+    drop(holder.stdin.take());
+    let _ = holder.wait();
+    let closed = wait_until(Duration::from_secs(60), || count(lab, "live") == 0);
+    if !opened || !closed {
+        bail!(
+            "{MEMORY_CONNECTIONS} connections via {}: opened {opened} (paired {paired}), closed {closed}",
+            route.name()
+        );
+    }
+    Ok(during - before)
+}
+
+/// Polls `ready` every 200 ms for at most `limit`.
+fn wait_until(limit: Duration, mut ready: impl FnMut() -> bool) -> bool {
+    let deadline = std::time::Instant::now() + limit;
+    while std::time::Instant::now() < deadline {
+        if ready() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    ready()
+}
+
+/// Kernel memory per accelerated connection: the slab bytes that idle
+/// connections add through socklb with sockmap, less those through socklb
+/// without it, per connection; three runs.
+pub fn accelerated_connection_memory(lab: &mut super::setup::Lab) -> Result<super::Summary> {
+    let mut extra = Vec::new();
+    for _ in 0..3 {
+        check_interrupted()?;
+        let plain = slab_while_holding(lab, super::Route::Socklb)?;
+        let accelerated = slab_while_holding(lab, super::Route::Sockmap)?;
+        extra.push((accelerated - plain) / f64::from(MEMORY_CONNECTIONS));
+    }
+    Ok(super::Summary::of(&extra))
 }
 
 fn bpftool(args: &[&str]) -> Result<Value> {

@@ -35,6 +35,9 @@ const RUN_SECONDS: u32 = 3;
 /// The CPU that the single-flow measures (one connection) run on: client,
 /// backends and proxies alike.
 const SINGLE_FLOW_CPU: usize = 0;
+/// The client's CPU in the measures of client and server on different
+/// CPUs.
+const OTHER_CPU: usize = 1;
 
 /// One way from a client to the backends.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -43,17 +46,27 @@ pub enum Route {
     Direct,
     /// The client connects to a VIP; socklb's connect() hook rewrites it.
     Socklb,
+    /// As socklb, to a service with `accelerate = "sockmap"` whose
+    /// backends run in socklb's cgroup: data moves socket to socket.
+    Sockmap,
     Haproxy,
     Nginx,
 }
 
 impl Route {
-    pub const ALL: [Route; 4] = [Route::Direct, Route::Socklb, Route::Haproxy, Route::Nginx];
+    pub const ALL: [Route; 5] = [
+        Route::Direct,
+        Route::Socklb,
+        Route::Sockmap,
+        Route::Haproxy,
+        Route::Nginx,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             Self::Direct => "direct",
             Self::Socklb => "socklb",
+            Self::Sockmap => "socklb+sockmap",
             Self::Haproxy => "HAProxy",
             Self::Nginx => "nginx",
         }
@@ -68,9 +81,15 @@ pub enum Measure {
     KeepAlive64,
     LatencyP50,
     LatencyP99,
+    /// Client on one CPU, servers on the other.
+    LatencyP50Split,
+    LatencyP99Split,
     Throughput1,
     Throughput4,
     CpuPer10k,
+    /// Busy CPU time of the whole machine (/proc/stat) per 10k keep-alive
+    /// requests: client, servers, proxies and the kernel's TCP work.
+    MachineCpuPer10k,
 }
 
 impl Measure {
@@ -82,9 +101,12 @@ impl Measure {
             Self::KeepAlive64 => "keepalive_c64",
             Self::LatencyP50 => "latency_p50",
             Self::LatencyP99 => "latency_p99",
+            Self::LatencyP50Split => "latency_p50_two_cpus",
+            Self::LatencyP99Split => "latency_p99_two_cpus",
             Self::Throughput1 => "throughput_p1",
             Self::Throughput4 => "throughput_p4",
             Self::CpuPer10k => "cpu_per_10k_requests",
+            Self::MachineCpuPer10k => "machine_cpu_per_10k_keepalive",
         }
     }
 
@@ -99,10 +121,19 @@ impl Measure {
             Self::KeepAlive64 => "Keep-alive request rate, 64 connections (wrk)",
             Self::LatencyP50 => "Request/response round trip p50 (sockperf ping-pong, TCP)",
             Self::LatencyP99 => "Request/response round trip p99 (sockperf ping-pong, TCP)",
+            Self::LatencyP50Split => {
+                "Round trip p50, client and server on different CPUs (sockperf ping-pong)"
+            }
+            Self::LatencyP99Split => {
+                "Round trip p99, client and server on different CPUs (sockperf ping-pong)"
+            }
             Self::Throughput1 => "Bulk throughput, 1 stream (iperf3)",
             Self::Throughput4 => "Bulk throughput, 4 streams (iperf3 -P 4)",
             Self::CpuPer10k => {
-                "CPU seconds per 10,000 new-connection requests, in the proxy or the hook"
+                "CPU seconds per 10,000 new-connection requests, in the proxy or socklb's programs"
+            }
+            Self::MachineCpuPer10k => {
+                "Machine CPU seconds per 10,000 keep-alive requests (wrk, 64 connections, /proc/stat)"
             }
         }
     }
@@ -110,14 +141,24 @@ impl Measure {
     pub fn unit(self) -> &'static str {
         match self {
             Self::NewConnections1 | Self::NewConnections64 | Self::KeepAlive64 => "requests/s",
-            Self::LatencyP50 | Self::LatencyP99 => "µs",
+            Self::LatencyP50 | Self::LatencyP99 | Self::LatencyP50Split | Self::LatencyP99Split => {
+                "µs"
+            }
             Self::Throughput1 | Self::Throughput4 => "Gbit/s",
-            Self::CpuPer10k => "CPU-s / 10k requests",
+            Self::CpuPer10k | Self::MachineCpuPer10k => "CPU-s / 10k requests",
         }
     }
 
     pub fn higher_is_better(self) -> bool {
-        !matches!(self, Self::LatencyP50 | Self::LatencyP99 | Self::CpuPer10k)
+        !matches!(
+            self,
+            Self::LatencyP50
+                | Self::LatencyP99
+                | Self::LatencyP50Split
+                | Self::LatencyP99Split
+                | Self::CpuPer10k
+                | Self::MachineCpuPer10k
+        )
     }
 }
 
@@ -183,6 +224,9 @@ pub struct HookCost {
 pub struct Results {
     pub series: Vec<Series>,
     pub hook: HookCost,
+    /// Slab bytes per accelerated connection, beyond a socklb connection
+    /// without acceleration.
+    pub accelerated_memory: Summary,
     pub wrk_errors: Vec<(Route, u64, u64)>,
     pub footprint: measures::Footprint,
     /// The criterion figures, or why there are none.
@@ -214,7 +258,7 @@ pub fn run(root: &Path) -> Result<()> {
     let machine = tools::machine();
 
     let scratch = ScratchDir::new()?;
-    let (series, hook, wrk_errors, configs) = {
+    let (series, hook, wrk_errors, configs, accelerated_memory) = {
         let mut lab = Lab::start(&scratch)?;
         let mut bench = Bench {
             lab: &mut lab,
@@ -223,9 +267,21 @@ pub fn run(root: &Path) -> Result<()> {
         };
         let (series, hook) = bench.measure_all()?;
         let wrk_errors = bench.wrk_errors.clone();
+        println!(
+            "bench: kernel memory per accelerated connection ({} idle connections, 3 runs)",
+            measures::MEMORY_CONNECTIONS
+        );
+        // A failure here costs this figure only, not the run.
+        let accelerated_memory =
+            measures::accelerated_connection_memory(&mut lab).unwrap_or_else(|error| {
+                eprintln!(
+                    "bench: kernel memory per accelerated connection not measured: {error:#}"
+                );
+                Summary::of(&[])
+            });
         let configs = lab.configs.clone();
         println!("bench: stopping socklb, the proxies and the backends");
-        (series, hook, wrk_errors, configs)
+        (series, hook, wrk_errors, configs, accelerated_memory)
     };
     check_interrupted()?;
     let vip_ports = [
@@ -239,6 +295,7 @@ pub fn run(root: &Path) -> Result<()> {
     let results = Results {
         series,
         hook,
+        accelerated_memory,
         wrk_errors,
         footprint,
         micro,
@@ -270,6 +327,10 @@ fn build(root: &Path) -> Result<()> {
         "lb-userspace",
         "--bin",
         "socklb",
+        "--package",
+        "socklb-tests",
+        "--bin",
+        "connclient",
     ]))?;
     let binary = target_dir(root).join("release/socklb");
     // SAFETY: set before any thread starts; socklb_tests reads it.
@@ -323,6 +384,23 @@ impl Bench<'_> {
                 },
             )?);
         }
+        {
+            // Servers on SINGLE_FLOW_CPU, the client on the other one.
+            let _pinned = self.pin_servers()?;
+            series.extend(self.take_turns(
+                &Route::ALL,
+                &[Measure::LatencyP50Split, Measure::LatencyP99Split],
+                |bench, route| {
+                    let result = measures::sockperf(
+                        bench.lab.route(route),
+                        RUN_SECONDS,
+                        Some(OTHER_CPU),
+                        bench.scratch,
+                    )?;
+                    Ok(vec![result.p50_us, result.p99_us])
+                },
+            )?);
+        }
         for (measure, streams) in [(Measure::Throughput1, 1), (Measure::Throughput4, 4)] {
             series.extend(self.take_turns(&Route::ALL, &[measure], |bench, route| {
                 let bits =
@@ -330,6 +408,23 @@ impl Bench<'_> {
                 Ok(vec![bits / 1e9])
             })?);
         }
+        let keep_alive = WrkLoad {
+            threads: 2,
+            connections: 64,
+            seconds: RUN_SECONDS,
+            close: false,
+            cpu: None,
+        };
+        series.extend(self.take_turns(
+            &Route::ALL,
+            &[Measure::MachineCpuPer10k],
+            |bench, route| {
+                let before = measures::machine_busy_seconds()?;
+                let run = bench.wrk(route, keep_alive)?;
+                let used = measures::machine_busy_seconds()? - before;
+                Ok(vec![used / run.requests.max(1) as f64 * 1e4])
+            },
+        )?);
         let (cpu, hook) = self.cpu_cost()?;
         series.push(cpu);
         Ok((series, hook))
@@ -345,6 +440,7 @@ impl Bench<'_> {
         let threads: Vec<i32> = lab
             .backends
             .iter()
+            .chain(&lab.accelerated_backends)
             .chain([&lab.haproxy, &lab.nginx_proxy])
             .flat_map(process::Supervised::threads)
             .collect();
@@ -441,10 +537,19 @@ impl Bench<'_> {
         let programs = HookPrograms::of(&self.lab.daemon)?;
         let mut ns_per_connect = Vec::new();
         let mut daemon_cpu = Vec::new();
-        let routes = [Route::Socklb, Route::Haproxy, Route::Nginx];
+        let routes = [Route::Socklb, Route::Sockmap, Route::Haproxy, Route::Nginx];
         let mut series = self.take_turns(&routes, &[Measure::CpuPer10k], |bench, route| {
             let per_10k = |cpu_seconds: f64, requests: u64| cpu_seconds / requests as f64 * 1e4;
             match route {
+                Route::Sockmap => {
+                    // Every program of socklb, the sk_msg one included.
+                    let stats = measures::BpfStats::enable()?;
+                    let before = programs.read()?;
+                    let run = bench.wrk(route, load)?;
+                    let used: HookCounters = programs.read()?.since(before);
+                    drop(stats);
+                    Ok(vec![per_10k(used.all_run_ns as f64 / 1e9, run.requests)])
+                }
                 Route::Socklb => {
                     let daemon_pid = bench.lab.daemon.pid();
                     let stats = measures::BpfStats::enable()?;

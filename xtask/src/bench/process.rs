@@ -111,7 +111,7 @@ pub fn cpu_seconds(pid: u32) -> f64 {
     ticks as f64 / clock_ticks_per_second()
 }
 
-fn clock_ticks_per_second() -> f64 {
+pub fn clock_ticks_per_second() -> f64 {
     // SAFETY: sysconf has no preconditions.
     let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
     if ticks > 0 { ticks as f64 } else { 100.0 }

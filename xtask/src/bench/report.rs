@@ -111,7 +111,71 @@ pub fn target_checks(results: &Results) -> Vec<TargetCheck> {
         figure: format!("{} ns", number(hook)),
         met: hook.is_finite().then_some(hook <= 150.0),
     });
+    for (measure, what) in [
+        (Measure::LatencyP50, "one CPU"),
+        (Measure::LatencyP50Split, "two CPUs"),
+    ] {
+        let ratio = series(results, measure).and_then(|series| series.ratio(Route::Sockmap));
+        checks.push(TargetCheck {
+            target: format!("socklb+sockmap round trip p50 ≤ 0.85 × direct, {what}"),
+            figure: ratio.map_or("n/a".into(), |ratio| format!("{ratio:.3} ×")),
+            met: ratio.map(|ratio| ratio <= 0.85),
+        });
+    }
+    for (measure, what) in [
+        (Measure::Throughput1, "1 stream"),
+        (Measure::Throughput4, "4 streams"),
+    ] {
+        let ratio = series(results, measure).and_then(|series| series.ratio(Route::Sockmap));
+        checks.push(TargetCheck {
+            target: format!("socklb+sockmap throughput ≥ 1.2 × direct, {what}"),
+            figure: ratio.map_or("n/a".into(), |ratio| format!("{ratio:.3} ×")),
+            met: ratio.map(|ratio| ratio >= 1.2),
+        });
+    }
     checks
+}
+
+/// The acceleration at a glance: the sockmap route against direct and
+/// socklb without it, on every measure, and its memory.
+fn render_acceleration(text: &mut String, results: &Results) {
+    text.push_str(
+        "## Acceleration (sockmap) at a glance\n\n\
+         Medians of this run, each as a ratio to direct (for latency and CPU, lower is better; \
+         for rates and throughput, higher is better).\n\n\
+         | Measure | direct | socklb | socklb+sockmap | HAProxy |\n|---|---:|---:|---:|---:|\n",
+    );
+    for measured in &results.series {
+        let cell = |route: Route| {
+            measured
+                .ratio(route)
+                .map_or("n/a".into(), |ratio| format!("{ratio:.3} ×"))
+        };
+        let direct = measured
+            .summary(Route::Direct)
+            .map_or("n/a".into(), |summary| {
+                format!("{} {}", number(summary.median), measured.measure.unit())
+            });
+        let _ = writeln!(
+            text,
+            "| {} | {direct} | {} | {} | {} |",
+            measured.measure.title(),
+            cell(Route::Socklb),
+            cell(Route::Sockmap),
+            cell(Route::Haproxy),
+        );
+    }
+    let memory = &results.accelerated_memory;
+    let _ = writeln!(
+        text,
+        "\nKernel memory per accelerated connection (both of its sockets), beyond a socklb \
+         connection without acceleration: {} bytes (min {}, max {}; slab bytes of {} idle \
+         connections held open through each route, three runs).\n",
+        number(memory.median),
+        number(memory.min),
+        number(memory.max),
+        super::measures::MEMORY_CONNECTIONS,
+    );
 }
 
 pub fn write(out: &Path, results: &Results) -> Result<()> {
@@ -154,16 +218,23 @@ fn render(results: &Results) -> String {
         "\nThe targets are reported, not enforced: nothing in the benchmark was tuned to meet them.\n",
     );
     render_noise_floor(&mut text, results);
+    render_acceleration(&mut text, results);
 
     text.push_str("## Routes\n\n");
     text.push_str(
-        "The four routes lead to the same three backends on 127.0.0.2: one nginx serving a \
-         100-byte file, one `sockperf server --tcp`, one `iperf3 -s`.\n\n\
+        "Four routes lead to the same three backends on 127.0.0.2: one nginx serving a \
+         100-byte file, one `sockperf server --tcp`, one `iperf3 -s`. The fifth, \
+         socklb+sockmap, leads to the same three servers started a second time on 127.0.0.3 \
+         inside socklb's cgroup, through services with `accelerate = \"sockmap\"`: its \
+         sock_ops program must see the servers' sockets to pair them.\n\n\
          - **direct**: the client connects to the backend itself.\n\
          - **socklb**: the client connects to a VIP on 127.0.0.1; socklb's cgroup connect4 hook \
          rewrites the destination to the backend. socklb is attached to a child cgroup, and the \
          clients of this route run inside it. socklb (a release build) probes each backend with a \
          TCP connect every second, as HAProxy does.\n\
+         - **socklb+sockmap**: as socklb, and every message moves from the sending socket \
+         straight into the peer's receive queue (sk_msg, `bpf_msg_redirect_hash` with \
+         `BPF_F_INGRESS`).\n\
          - **HAProxy**: `mode tcp`, `balance leastconn`, TCP health checks every second, shaped \
          like kubespray's node-local `haproxy.cfg.j2`; it listens on 127.0.0.1.\n\
          - **nginx**: a separate nginx (not the backend's) with a `stream` proxy, `least_conn`, \
@@ -203,7 +274,15 @@ fn render(results: &Results) -> String {
          µs, on different CPUs in tens of µs on a VM like this one, and that placement changes \
          from run to run, so unpinned runs of the same data path differ by up to ten times. Pinned, a proxy's extra hops cost CPU time on the same CPU, which is \
          what these figures compare. The 64-connection and bulk measures are not pinned.\n\
+         - The same sockperf runs again with the servers on CPU 0 and the client on CPU 1 \
+         (\"two CPUs\"), where a wake-up crosses CPUs.\n\
          - Throughput: `iperf3 -J` with 1 and 4 streams, received bits per second.\n\
+         - Machine CPU per 10k keep-alive requests: busy time of all CPUs from /proc/stat (all \
+         but idle and iowait) over a `wrk -t2 -c64` keep-alive run, for every route: the \
+         client, the servers, any proxy and the kernel's TCP work together.\n\
+         - Kernel memory per accelerated connection: `Slab` of /proc/meminfo while 2,000 idle \
+         connections are held open through socklb+sockmap (all paired, as status shows), less \
+         the same through socklb without acceleration, per connection.\n\
          - CPU per 10k requests: separate `wrk -t2 -c64` `Connection: close` runs. HAProxy and \
          nginx: user + system time of the proxy's processes (nginx: master and workers) from \
          /proc/PID/stat before and after. socklb: `kernel.bpf_stats_enabled` is set to 1 only \

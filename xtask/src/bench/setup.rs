@@ -17,12 +17,15 @@ use socklb_tests::{Cgroup, Daemon};
 
 use super::{
     Route,
-    process::{ScratchDir, Supervised, check_interrupted},
+    process::{ScratchDir, Supervised, check_interrupted, in_cgroup},
     tools::NGINX_STREAM_MODULE,
 };
 
 /// Where the backends listen; the proxies and VIPs listen on 127.0.0.1.
 pub const BACKEND_IP: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
+/// Where the same backends listen a second time, inside socklb's cgroup,
+/// for the sockmap route (its sock_ops program must see their sockets).
+pub const ACCELERATED_BACKEND_IP: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 3);
 const FRONT_IP: Ipv4Addr = Ipv4Addr::LOCALHOST;
 
 /// The file wrk fetches, and its size.
@@ -58,6 +61,10 @@ pub struct Lab {
     pub nginx_proxy: Supervised,
     pub haproxy: Supervised,
     pub backends: Vec<Supervised>,
+    /// The backends of the sockmap route, in socklb's cgroup.
+    pub accelerated_backends: Vec<Supervised>,
+    backend: Targets,
+    accelerated_backend: Targets,
     /// Held only to be removed on drop: the two client cgroups, then their
     /// parent (a Vec drops its elements in order).
     _cgroups: Vec<Cgroup>,
@@ -74,11 +81,21 @@ impl Lab {
             .expect("every route is set up")
     }
 
+    /// The backends a route ends at.
+    pub fn backend_of(&self, route: Route) -> Targets {
+        if route == Route::Sockmap {
+            self.accelerated_backend
+        } else {
+            self.backend
+        }
+    }
+
     /// Fails if a server died during a measurement.
     pub fn ensure_running(&mut self) -> Result<()> {
         for server in self
             .backends
             .iter_mut()
+            .chain(self.accelerated_backends.iter_mut())
             .chain([&mut self.haproxy, &mut self.nginx_proxy])
         {
             server.ensure_running()?;
@@ -101,6 +118,12 @@ impl Lab {
             })
         };
         let (vips, haproxy_front, nginx_front) = (front()?, front()?, front()?);
+        let accelerated_vips = front()?;
+        let accelerated_backend = Targets {
+            http: ports.pick(ACCELERATED_BACKEND_IP)?,
+            sockperf: ports.pick(ACCELERATED_BACKEND_IP)?,
+            iperf: ports.pick(ACCELERATED_BACKEND_IP)?,
+        };
 
         // Declared first so they are removed last if a later step fails.
         let parent_cgroup = Cgroup::new("bench");
@@ -114,10 +137,19 @@ impl Lab {
             plain_cgroup.path.display()
         );
 
-        let backends = start_backends(scratch, &backend)?;
+        let backends = start_backends(scratch, "backend", &backend, None)?;
         println!(
             "bench: backends: nginx http://{}/{SMALL_FILE}, sockperf server {}, iperf3 server {}",
             backend.http, backend.sockperf, backend.iperf
+        );
+        let accelerated_backends = start_backends(
+            scratch,
+            "accelerated",
+            &accelerated_backend,
+            Some(&socklb_cgroup.path),
+        )?;
+        println!(
+            "bench: the same backends in socklb's cgroup for the sockmap route: {accelerated_backend:?}"
         );
 
         let haproxy_config = haproxy_config(&haproxy_front, &backend);
@@ -135,11 +167,11 @@ impl Lab {
         println!("bench: HAProxy (mode tcp, leastconn, check inter 1s) on {haproxy_front:?}");
 
         let nginx_proxy_config = nginx_proxy_config(scratch, &nginx_front, &backend);
-        let mut nginx_proxy = start_nginx(scratch, "nginx-proxy", &nginx_proxy_config)?;
+        let mut nginx_proxy = start_nginx(scratch, "nginx-proxy", &nginx_proxy_config, None)?;
         wait_ready(&mut nginx_proxy, &all_of(&nginx_front))?;
         println!("bench: nginx stream proxy (least_conn) on {nginx_front:?}");
 
-        let socklb_config = socklb_config(&vips, &backend);
+        let socklb_config = socklb_config(&vips, &backend, &accelerated_vips, &accelerated_backend);
         let socklb_path = scratch.file("socklb.toml");
         fs::write(&socklb_path, &socklb_config)?;
         let args = vec![
@@ -149,7 +181,11 @@ impl Lab {
             socklb_cgroup.path.display().to_string(),
         ];
         let mut daemon = Daemon::start("bench", &args);
-        let wanted: Vec<String> = all_of(&backend).iter().map(ToString::to_string).collect();
+        let wanted: Vec<String> = all_of(&backend)
+            .iter()
+            .chain(&all_of(&accelerated_backend))
+            .map(ToString::to_string)
+            .collect();
         daemon.wait_for("every backend probed and healthy", READY_LIMIT, |status| {
             wanted.iter().all(|addr| {
                 ["healthy", "probed"].iter().all(|field| {
@@ -176,6 +212,11 @@ impl Lab {
                 cgroup: socklb_cgroup.path.clone(),
             },
             RouteSetup {
+                route: Route::Sockmap,
+                targets: accelerated_vips,
+                cgroup: socklb_cgroup.path.clone(),
+            },
+            RouteSetup {
                 route: Route::Haproxy,
                 targets: haproxy_front,
                 cgroup: plain_cgroup.path.clone(),
@@ -191,6 +232,9 @@ impl Lab {
             nginx_proxy,
             haproxy,
             backends,
+            accelerated_backends,
+            backend,
+            accelerated_backend,
             _cgroups: vec![socklb_cgroup, plain_cgroup, parent_cgroup],
             routes,
             configs: vec![
@@ -248,45 +292,69 @@ fn wait_ready(server: &mut Supervised, addrs: &[SocketAddr]) -> Result<()> {
     Ok(())
 }
 
-fn start_backends(scratch: &ScratchDir, backend: &Targets) -> Result<Vec<Supervised>> {
-    let www = scratch.file("www");
+/// nginx, sockperf and iperf3 servers on `backend`'s addresses, in
+/// `cgroup` if given; `name` keeps their files apart.
+fn start_backends(
+    scratch: &ScratchDir,
+    name: &str,
+    backend: &Targets,
+    cgroup: Option<&Path>,
+) -> Result<Vec<Supervised>> {
+    let www = scratch.file(&format!("www-{name}"));
     fs::create_dir(&www)?;
     let mut body = "socklb bench ".repeat(SMALL_FILE_BYTES / 13 + 1);
     body.truncate(SMALL_FILE_BYTES - 1);
     body.push('\n');
     fs::write(www.join(SMALL_FILE), body)?;
 
+    let nginx_name = format!("nginx-{name}");
     let mut nginx = start_nginx(
         scratch,
-        "nginx-backend",
-        &nginx_backend_config(scratch, &www, backend.http),
+        &nginx_name,
+        &nginx_backend_config(scratch, &nginx_name, &www, backend.http),
+        cgroup,
     )?;
     wait_ready(&mut nginx, &[backend.http])?;
 
+    let command = |program: &str, args: &[String]| match cgroup {
+        Some(cgroup) => in_cgroup(cgroup, None, program, args),
+        None => {
+            let mut command = Command::new(program);
+            command.args(args);
+            command
+        }
+    };
+    let words = |list: &[&str]| -> Vec<String> { list.iter().map(ToString::to_string).collect() };
     let mut sockperf = Supervised::spawn(
         "sockperf server",
-        Command::new("sockperf").args([
-            "server",
-            "--tcp",
-            "-i",
-            &backend.sockperf.ip().to_string(),
-            "-p",
-            &backend.sockperf.port().to_string(),
-        ]),
-        &scratch.file("sockperf-server.log"),
+        &mut command(
+            "sockperf",
+            &words(&[
+                "server",
+                "--tcp",
+                "-i",
+                &backend.sockperf.ip().to_string(),
+                "-p",
+                &backend.sockperf.port().to_string(),
+            ]),
+        ),
+        &scratch.file(&format!("sockperf-{name}.log")),
     )?;
     wait_ready(&mut sockperf, &[backend.sockperf])?;
 
     let mut iperf = Supervised::spawn(
         "iperf3 server",
-        Command::new("iperf3").args([
-            "-s",
-            "-B",
-            &backend.iperf.ip().to_string(),
-            "-p",
-            &backend.iperf.port().to_string(),
-        ]),
-        &scratch.file("iperf3-server.log"),
+        &mut command(
+            "iperf3",
+            &words(&[
+                "-s",
+                "-B",
+                &backend.iperf.ip().to_string(),
+                "-p",
+                &backend.iperf.port().to_string(),
+            ]),
+        ),
+        &scratch.file(&format!("iperf3-{name}.log")),
     )?;
     wait_ready(&mut iperf, &[backend.iperf])?;
     Ok(vec![nginx, sockperf, iperf])
@@ -294,17 +362,33 @@ fn start_backends(scratch: &ScratchDir, backend: &Targets) -> Result<Vec<Supervi
 
 /// An nginx master in the foreground (`daemon off`), with its own pid and
 /// error log in the scratch directory.
-fn start_nginx(scratch: &ScratchDir, name: &str, config: &str) -> Result<Supervised> {
+fn start_nginx(
+    scratch: &ScratchDir,
+    name: &str,
+    config: &str,
+    cgroup: Option<&Path>,
+) -> Result<Supervised> {
     let path = scratch.file(&format!("{name}.conf"));
     fs::write(&path, config)?;
-    let mut command = Command::new("nginx");
-    command
-        .arg("-p")
-        .arg(&scratch.path)
-        .arg("-e")
-        .arg(scratch.file(&format!("{name}.error.log")))
-        .arg("-c")
-        .arg(&path);
+    let args = vec![
+        "-p".to_string(),
+        scratch.path.display().to_string(),
+        "-e".to_string(),
+        scratch
+            .file(&format!("{name}.error.log"))
+            .display()
+            .to_string(),
+        "-c".to_string(),
+        path.display().to_string(),
+    ];
+    let mut command = match cgroup {
+        Some(cgroup) => in_cgroup(cgroup, None, "nginx", &args),
+        None => {
+            let mut command = Command::new("nginx");
+            command.args(&args);
+            command
+        }
+    };
     Supervised::spawn(name, &mut command, &scratch.file(&format!("{name}.log")))
 }
 
@@ -323,11 +407,16 @@ fn nginx_main(scratch: &ScratchDir, name: &str) -> String {
     )
 }
 
-fn nginx_backend_config(scratch: &ScratchDir, www: &Path, listen: SocketAddr) -> String {
-    let mut text = nginx_main(scratch, "nginx-backend");
+fn nginx_backend_config(
+    scratch: &ScratchDir,
+    name: &str,
+    www: &Path,
+    listen: SocketAddr,
+) -> String {
+    let mut text = nginx_main(scratch, name);
     let temp = |kind: &str| {
         scratch
-            .file(&format!("nginx-backend-{kind}"))
+            .file(&format!("{name}-{kind}"))
             .display()
             .to_string()
     };
@@ -404,14 +493,33 @@ fn named(front: &Targets, backend: &Targets) -> [(&'static str, SocketAddr, Sock
     ]
 }
 
-/// socklb with the same probe interval as HAProxy's checks.
-fn socklb_config(vips: &Targets, backend: &Targets) -> String {
+/// socklb with the same probe interval as HAProxy's checks; the
+/// accelerated services are the same with `accelerate = "sockmap"`.
+fn socklb_config(
+    vips: &Targets,
+    backend: &Targets,
+    accelerated_vips: &Targets,
+    accelerated_backend: &Targets,
+) -> String {
     let mut text = String::new();
-    for (name, vip, server) in named(vips, backend) {
+    let services = named(vips, backend)
+        .into_iter()
+        .map(|service| (service, ""))
+        .chain(
+            named(accelerated_vips, accelerated_backend)
+                .into_iter()
+                .map(|service| (service, "accelerated-")),
+        );
+    for ((name, vip, server), prefix) in services {
+        let accelerate = if prefix.is_empty() {
+            ""
+        } else {
+            "accelerate = \"sockmap\"\n"
+        };
         let _ = write!(
             text,
-            "[[service]]\nname = \"{}\"\nvips = [\"{vip}\"]\nbackends = [\"{server}\"]\n\
-             [service.health]\ninterval = \"1s\"\ntimeout = \"1s\"\n\n",
+            "[[service]]\nname = \"{prefix}{}\"\nvips = [\"{vip}\"]\nbackends = [\"{server}\"]\n\
+             {accelerate}[service.health]\ninterval = \"1s\"\ntimeout = \"1s\"\n\n",
             name.replace('_', "-")
         );
     }

@@ -2242,6 +2242,8 @@ struct Flow {
     down_limit: u64,
     /// Half-closed: the stream is all sent, or stopped.
     shut: bool,
+    /// Ahead of its rate: no write until it is due.
+    paced: bool,
     stopping: bool,
     write_error: Option<String>,
     ending: Option<Ending>,
@@ -2265,6 +2267,7 @@ impl Flow {
             ),
             down_limit: header.down,
             shut: false,
+            paced: false,
             stopping: false,
             write_error: None,
             ending: None,
@@ -2286,7 +2289,7 @@ impl Flow {
 
     /// Has work it has not done for want of budget.
     fn busy(&self) -> bool {
-        !self.done() && (self.readable || (self.writable && !self.shut))
+        !self.done() && (self.readable || (self.writable && !self.shut && !self.paced))
     }
 
     fn turn(&mut self, buffer: &mut [u8]) {
@@ -2298,6 +2301,7 @@ impl Flow {
     /// is all sent (then half-closes).
     fn write_some(&mut self) {
         let mut spent = 0;
+        self.paced = false;
         while self.writable && !self.shut && !self.done() && spent < TURN_BUDGET {
             let stopped = self.stopping && self.sender.limit == UNBOUNDED;
             let written = if self.header_sent < HEADER_LEN {
@@ -2311,7 +2315,8 @@ impl Flow {
                 self.shut = true;
                 break;
             } else if self.sender.ahead().is_some() {
-                // Paced: the next turn (a read, or the loop's timeout) writes.
+                // Paced: the loop queues it again once it is due.
+                self.paced = true;
                 break;
             } else {
                 let written = (&self.stream).write(self.sender.pending());
@@ -2398,10 +2403,23 @@ fn run_flows(
     let mut checked = Instant::now();
     let mut open = flows.len();
     while open > 0 {
-        let timeout = if queue.is_empty() { 200 } else { 0 };
+        let paced = flows.iter().any(|flow| flow.paced && !flow.done());
+        let timeout = match (queue.is_empty(), paced) {
+            (false, _) => 0,
+            (true, true) => 5,
+            (true, false) => 200,
+        };
         let ready = epoll
             .wait(&mut events, timeout)
             .map_err(|error| format!("epoll_wait: {error}"))?;
+        if paced {
+            for (index, flow) in flows.iter_mut().enumerate() {
+                if flow.paced && flow.sender.ahead().is_none() {
+                    flow.paced = false;
+                    enqueue(flow, index, &mut queue);
+                }
+            }
+        }
         for event in &events[..ready] {
             let (bits, index) = (event.events as libc::c_int, event.u64 as usize);
             let flow = &mut flows[index];

@@ -685,10 +685,11 @@ fn redirect_to_peer(ctx: &SkMsgContext) {
     if unsafe { PASSED.get(key) }.is_some() {
         return;
     }
-    let client = SockKey::endpoint(key.remote, key.remote_port);
-    let backend = SockKey::endpoint(key.local, key.local_port);
+    // The backend is a client's remote end, or a backend socket's own end.
+    let remote = SockKey::endpoint(key.remote, key.remote_port);
+    let local = SockKey::endpoint(key.local, key.local_port);
     let accelerated =
-        unsafe { ACCEL.get(client) }.is_some() || unsafe { ACCEL.get(backend) }.is_some();
+        unsafe { ACCEL.get(remote) }.is_some() || unsafe { ACCEL.get(local) }.is_some();
     // A client whose backend socket has not joined yet (its pending mark
     // is still there) sends this message the normal way.
     let pending = unsafe { ACCEL_PENDING.get(key) }.is_some();

@@ -38,6 +38,23 @@ pub fn raise_open_files() {
     }
 }
 
+/// A directory of the test's own, removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(label: &str) -> Self {
+        let dir = std::env::temp_dir().join(unique_name(label));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        Self(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// Root of the cgroup v2 hierarchy of this machine.
 pub fn cgroup_v2_root() -> PathBuf {
     socklb::cgroup::v2_root().unwrap_or_else(|error| panic!("socklb tests need cgroup v2: {error}"))

@@ -16,8 +16,8 @@ use std::{
 
 use serde_json::Value;
 use socklb_tests::{
-    Cgroup, Daemon, backend_field, cluster::helper_bin, free_port, record_figures, require_root,
-    socklb, unique_name,
+    Cgroup, Daemon, TempDir, backend_field, cluster::helper_bin, free_port, record_figures,
+    require_root, socklb,
 };
 
 /// A process of the test, killed by its PID on drop.
@@ -83,15 +83,9 @@ struct Accelerated {
     daemon: Daemon,
     server: Process,
     cgroup: Cgroup,
-    dir: PathBuf,
+    dir: TempDir,
     vip: SocketAddr,
     backend: SocketAddr,
-}
-
-impl Drop for Accelerated {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
 }
 
 impl Accelerated {
@@ -101,18 +95,8 @@ impl Accelerated {
         let backend = SocketAddr::from(([127, 0, 0, 1], free_port()));
         let vip = SocketAddr::from(([127, 0, 0, 1], free_port()));
         let server = start_server(backend, &cgroup.path);
-        let dir = std::env::temp_dir().join(unique_name(label));
-        std::fs::create_dir_all(&dir).expect("config directory");
-        let config = dir.join("socklb.toml");
-        std::fs::write(&config, service_toml(vip, backend, true)).expect("config");
-        let args = vec![
-            "--config".to_string(),
-            config.display().to_string(),
-            "--cgroup".to_string(),
-            cgroup.path.display().to_string(),
-        ];
-        let mut daemon = Daemon::start(label, &args);
-        daemon.wait_health(&[backend], true, Duration::from_secs(10));
+        let dir = TempDir::new(label);
+        let daemon = accelerate_to(label, &cgroup.path, &dir.0, vip, backend, "streamcheck");
         Self {
             daemon,
             server,
@@ -124,7 +108,7 @@ impl Accelerated {
     }
 
     fn config(&self) -> PathBuf {
-        self.dir.join("socklb.toml")
+        self.dir.0.join("socklb.toml")
     }
 
     /// Runs one streamcheck client to its end and returns its report,
@@ -345,7 +329,7 @@ fn a_thousand_concurrent_accelerated_connections() {
 fn nginx_sendfile_through_an_accelerated_vip() {
     require_root();
     let cgroup = Cgroup::new("accel-nginx");
-    let dir = TempDirGuard::new("accel-nginx");
+    let dir = TempDir::new("accel-nginx");
     let backend = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let vip = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let www = dir.0.join("www");
@@ -387,24 +371,7 @@ fn nginx_sendfile_through_an_accelerated_vip() {
         .spawn()
         .expect("nginx (cargo xtask test installs it)"),
     ));
-    let started = Instant::now();
-    while std::net::TcpStream::connect(backend).is_err() {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "nginx does not listen"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let config_path = dir.0.join("socklb.toml");
-    std::fs::write(&config_path, service_toml(vip, backend, true)).expect("config");
-    let args = vec![
-        "--config".to_string(),
-        config_path.display().to_string(),
-        "--cgroup".to_string(),
-        cgroup.path.display().to_string(),
-    ];
-    let mut daemon = Daemon::start("accel-nginx", &args);
-    daemon.wait_health(&[backend], true, Duration::from_secs(10));
+    let daemon = accelerate_to("accel-nginx", &cgroup.path, &dir.0, vip, backend, "nginx");
     let fetched = dir.0.join("fetched.bin");
     let output = in_cgroup(
         &cgroup.path,
@@ -444,7 +411,7 @@ fn nginx_sendfile_through_an_accelerated_vip() {
 fn tls_through_an_accelerated_vip_with_verification() {
     require_root();
     let cgroup = Cgroup::new("accel-tls");
-    let dir = TempDirGuard::new("accel-tls");
+    let dir = TempDir::new("accel-tls");
     let backend = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let vip = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let (cert, key) = (dir.0.join("cert.pem"), dir.0.join("key.pem"));
@@ -492,24 +459,7 @@ fn tls_through_an_accelerated_vip_with_verification() {
         .spawn()
         .expect("openssl s_server"),
     ));
-    let started = Instant::now();
-    while std::net::TcpStream::connect(backend).is_err() {
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "s_server does not listen"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let config_path = dir.0.join("socklb.toml");
-    std::fs::write(&config_path, service_toml(vip, backend, true)).expect("config");
-    let args = vec![
-        "--config".to_string(),
-        config_path.display().to_string(),
-        "--cgroup".to_string(),
-        cgroup.path.display().to_string(),
-    ];
-    let mut daemon = Daemon::start("accel-tls", &args);
-    daemon.wait_health(&[backend], true, Duration::from_secs(10));
+    let daemon = accelerate_to("accel-tls", &cgroup.path, &dir.0, vip, backend, "s_server");
     // s_server -rev answers each line reversed.
     let mut client = in_cgroup(
         &cgroup.path,
@@ -574,6 +524,37 @@ fn send_line(stdin: &mut ChildStdin, line: &str) {
     stdin.flush().expect("flushing");
 }
 
+/// Waits until `server` listens on `backend`, then starts socklb with an
+/// accelerated VIP for it (config in `dir`), attached to `cgroup`.
+fn accelerate_to(
+    label: &str,
+    cgroup: &Path,
+    dir: &Path,
+    vip: SocketAddr,
+    backend: SocketAddr,
+    server: &str,
+) -> Daemon {
+    let started = Instant::now();
+    while std::net::TcpStream::connect(backend).is_err() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{server} does not listen on {backend}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let config = dir.join("socklb.toml");
+    std::fs::write(&config, service_toml(vip, backend, true)).expect("config");
+    let args = vec![
+        "--config".to_string(),
+        config.display().to_string(),
+        "--cgroup".to_string(),
+        cgroup.display().to_string(),
+    ];
+    let mut daemon = Daemon::start(label, &args);
+    daemon.wait_health(&[backend], true, Duration::from_secs(10));
+    daemon
+}
+
 /// `program args…` started inside `cgroup` (a shell joins it, then execs).
 fn in_cgroup(cgroup: &Path, program: &str, args: &[&str]) -> Command {
     let mut command = Command::new("sh");
@@ -584,23 +565,6 @@ fn in_cgroup(cgroup: &Path, program: &str, args: &[&str]) -> Command {
         .arg(program)
         .args(args);
     command
-}
-
-/// A directory of the test's own, removed on drop.
-struct TempDirGuard(PathBuf);
-
-impl TempDirGuard {
-    fn new(label: &str) -> Self {
-        let dir = std::env::temp_dir().join(unique_name(label));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        Self(dir)
-    }
-}
-
-impl Drop for TempDirGuard {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 /// 100 connections streaming both ways, each side of each at most 1 MiB/s

@@ -6,34 +6,18 @@
 use std::{
     collections::BTreeMap,
     net::SocketAddr,
-    path::{Path, PathBuf},
+    path::Path,
     time::{Duration, Instant},
 };
 
 use socklb_tests::{
-    Backend, Cgroup, ClientRun, ConnClient, Daemon, backend_field, free_port, record_figures,
-    require_root, scrape_metrics, service_args, spread, state_dir_of, unique_name, until_served_by,
+    Backend, Cgroup, ClientRun, ConnClient, Daemon, TempDir, backend_field, free_port,
+    record_figures, require_root, scrape_metrics, service_args, spread, state_dir_of,
+    until_served_by,
 };
 
 fn vip() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], free_port()))
-}
-
-/// A directory of the test's own, removed on drop.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(label: &str) -> Self {
-        let dir = std::env::temp_dir().join(unique_name(label));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        Self(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
 }
 
 /// Replaces a file the way an agent or config management does: a

@@ -324,7 +324,9 @@ fn a_thousand_concurrent_accelerated_connections() {
 }
 
 /// nginx with `sendfile on` in socklb's cgroup, fetched with curl through
-/// the VIP: the file that arrives is the file on disk.
+/// the VIP: the file that arrives is the file on disk. One process
+/// (`master_process off`), so that killing the PID we started ends it all
+/// and its cgroup can go.
 #[test]
 fn nginx_sendfile_through_an_accelerated_vip() {
     require_root();
@@ -349,7 +351,7 @@ fn nginx_sendfile_through_an_accelerated_vip() {
     std::fs::write(
         &config,
         format!(
-            "daemon off;\npid {dir}/nginx.pid;\nerror_log {dir}/error.log;\nworker_processes 1;\n\
+            "daemon off;\nmaster_process off;\npid {dir}/nginx.pid;\nerror_log {dir}/error.log;\n\
              events {{ worker_connections 64; }}\n\
              http {{\n  access_log off;\n  sendfile on;\n  tcp_nopush on;\n  \
              client_body_temp_path {dir}/body;\n  proxy_temp_path {dir}/proxy;\n  \

@@ -8,8 +8,8 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 use lb_common::names;
 use socklb::dataplane::{PinPaths, features::DISABLE_FOR_TEST};
 use socklb_tests::{
-    Backend, Cgroup, ClientRun, ConnClient, Daemon, backend_field, free_port, require_root,
-    service_args, unique_name,
+    Backend, Cgroup, ClientRun, ConnClient, Daemon, aborted, backend_field, free_port,
+    require_root, service_args, unique_name,
 };
 
 const EPERM: i32 = 1;
@@ -137,15 +137,13 @@ fn without_sock_destroy_close_on_failure_is_off() {
     let [mut b0, _b1] = backends;
     b0.stop();
     daemon.wait_health(&addrs[..1], false, Duration::from_secs(5));
-    let ends: Vec<String> = held
-        .finish()
-        .iter()
-        .map(|line| line["end"].as_str().unwrap_or("?").to_string())
-        .collect();
-    assert!(
-        ends.iter().all(|end| end == "open"),
-        "nothing closed: {ends:?}"
-    );
+    // socklb closes nothing: no connection ends with ECONNABORTED (what
+    // SOCK_DESTROY gives). One still in b0's accept queue when its listener
+    // closed is reset by the kernel (ECONNRESET), which is not socklb.
+    let ends = held.finish();
+    assert_eq!(aborted(&ends), 0, "nothing closed by socklb: {ends:?}");
+    let open = ends.iter().filter(|end| end["end"] == "open").count();
+    assert!(open * 2 > ends.len(), "most stay open: {ends:?}");
     assert!(
         !daemon.log().contains("close-on-failure)"),
         "{}",

@@ -24,8 +24,9 @@
 //! - `reset-by-server` [64 KiB]: the server sends, then closes with
 //!   SO_LINGER 0 (RST); the client must see ECONNRESET or EOF within 10 s,
 //!   after a correct prefix.
-//! - `reset-by-client` [64 KiB]: the client sends, waits 100 ms (the
-//!   server's reader is blocked), closes with SO_LINGER 0, then asks the
+//! - `reset-by-client` [64 KiB]: the client sends, waits for the server's
+//!   word that it has every byte (its reader then waits for more), closes
+//!   with SO_LINGER 0, then asks the
 //!   server on a second connection how its reader ended: it must have seen
 //!   ECONNRESET or EOF within 10 s, after a correct prefix.
 //! - `killed-server`: both directions stream until the connection ends (the
@@ -100,8 +101,6 @@ const SLICE: Duration = Duration::from_secs(1);
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How soon a reset must be seen (the reset modes).
 const RESET_LIMIT: Duration = Duration::from_secs(10);
-/// How long the client of `reset-by-client` waits before its reset.
-const RESET_PAUSE: Duration = Duration::from_millis(100);
 /// How long the server waits for the outcome a `reset-by-client` query asks.
 const QUERY_WAIT: Duration = Duration::from_secs(12);
 /// One edge-triggered wait of `pingpong`.
@@ -1415,12 +1414,21 @@ fn serve_reset_victim(stream: &TcpStream, header: &Header) -> Result<(), String>
     let verifier = Verifier::new(header.seed, Direction::Up, header.up);
     let mut receiver = Receiver::new(verifier, false);
     let mut last_byte = Instant::now();
+    let mut told = false;
+    // Once every byte is in, one more byte tells the client, which resets
+    // the connection while this reader waits for more.
     let ending = receive_stream(
         stream,
         &mut receiver,
         &mut ReadMethod::Plain,
         None,
-        &mut |_| last_byte = Instant::now(),
+        &mut |received| {
+            last_byte = Instant::now();
+            if received >= header.up && !told {
+                told = true;
+                let _ = write_all_patiently(stream, &[2]);
+            }
+        },
     );
     let problem = receiver.verifier.prefix_problem("client to server");
     let end = VictimEnd {
@@ -1949,7 +1957,10 @@ fn run_reset_by_client(args: &ClientArgs, summary: &mut Summary) -> Result<(), S
         false,
         &AtomicU64::new(0),
     )?;
-    thread::sleep(RESET_PAUSE);
+    // The server says when it has every byte; its reader then waits for
+    // more, and the reset comes.
+    read_exact_patiently(&stream, &mut [0u8; 1])
+        .map_err(|error| format!("the server's receipt: {error}"))?;
     set_linger_zero(&stream).map_err(|error| format!("SO_LINGER: {error}"))?;
     drop(stream);
     let reset_at = Instant::now();

@@ -504,9 +504,6 @@ pub fn socklb_sockops(ctx: SockOpsContext) -> u32 {
         }
         return 1;
     }
-    if op == BPF_SOCK_OPS_STATE_CB && ctx.arg(1) == TCP_CLOSE && has(features::SOCKMAP) {
-        forget_accelerated(&ctx);
-    }
     count_connection(&ctx);
     // sock_ops verdicts are ignored for these callbacks; 1 is "ok".
     1
@@ -660,8 +657,8 @@ fn pair_backend_side(ctx: &SockOpsContext) {
 }
 
 /// A socket that closes leaves `ACCEL_PENDING` and `PASSED` (it leaves
-/// `SOCKHASH` by itself). Runs for every socket whose state changes
-/// sock_ops follows: redirected clients and accelerated backends.
+/// `SOCKHASH` by itself). Runs only for accelerated sockets: clients of an
+/// accelerating service, and paired backend sockets.
 #[inline(always)]
 fn forget_accelerated(ctx: &SockOpsContext) {
     let Some(key) = sock_ops_key(ctx) else {
@@ -763,6 +760,11 @@ fn count_connection(ctx: &SockOpsContext) {
         return;
     }
     let Some(record) = sock_ops_record(ctx) else {
+        // A socket without a record that sock_ops follows is a paired
+        // backend socket (see `pair_backend_side`).
+        if op == BPF_SOCK_OPS_STATE_CB && ctx.arg(1) == TCP_CLOSE && has(features::SOCKMAP) {
+            forget_accelerated(ctx);
+        }
         return;
     };
     let backend_id = record.get().backend_id;
@@ -805,6 +807,9 @@ fn count_connection(ctx: &SockOpsContext) {
             let (old_state, new_state) = (ctx.arg(0), ctx.arg(1));
             if new_state != TCP_CLOSE {
                 return;
+            }
+            if has(features::SOCKMAP) && record.get().flags & SOCKET_FLAG_ACCELERATE != 0 {
+                forget_accelerated(ctx);
             }
             let counted = match &record {
                 Record::Stored(stored) => unsafe { (**stored).flags & SOCKET_FLAG_LIVE != 0 },

@@ -623,22 +623,24 @@ impl Writer {
                     }
                 }
                 Drift::Drains => {
-                    let found = store.drains()?;
-                    for extra in found.difference(&self.written.drains) {
-                        store.delete_drain(extra)?;
-                    }
-                    for missing in self.written.drains.difference(&found) {
-                        store.put_drain(missing)?;
-                    }
+                    let mut found = store.drains()?;
+                    sync_set(
+                        store,
+                        &mut found,
+                        &self.written.drains,
+                        |store, backend| store.put_drain(backend),
+                        |store, backend| store.delete_drain(backend),
+                    )?;
                 }
                 Drift::Accelerated => {
-                    let found = store.accelerated()?;
-                    for extra in found.difference(&self.written.accelerated) {
-                        store.delete_accelerated(extra)?;
-                    }
-                    for missing in self.written.accelerated.difference(&found) {
-                        store.put_accelerated(missing)?;
-                    }
+                    let mut found = store.accelerated()?;
+                    sync_set(
+                        store,
+                        &mut found,
+                        &self.written.accelerated,
+                        |store, backend| store.put_accelerated(backend),
+                        |store, backend| store.delete_accelerated(backend),
+                    )?;
                 }
             }
         }
@@ -647,21 +649,22 @@ impl Writer {
 }
 
 /// Makes a set of backends in a map equal `wanted`, writing only the
-/// differences (removals first), and keeps `written` in step.
+/// differences (removals first); `held` is what the map holds, kept in
+/// step (what the writer wrote, or what a repair found).
 fn sync_set(
     store: &mut dyn MapStore,
-    written: &mut BTreeSet<Endpoint>,
+    held: &mut BTreeSet<Endpoint>,
     wanted: &BTreeSet<Endpoint>,
     put: fn(&mut dyn MapStore, &Endpoint) -> Result<(), StoreError>,
     delete: fn(&mut dyn MapStore, &Endpoint) -> Result<(), StoreError>,
 ) -> Result<(), StoreError> {
-    for gone in written.difference(wanted).copied().collect::<Vec<_>>() {
+    for gone in held.difference(wanted).copied().collect::<Vec<_>>() {
         delete(store, &gone)?;
-        written.remove(&gone);
+        held.remove(&gone);
     }
-    for added in wanted.difference(written).copied().collect::<Vec<_>>() {
+    for added in wanted.difference(held).copied().collect::<Vec<_>>() {
         put(store, &added)?;
-        written.insert(added);
+        held.insert(added);
     }
     Ok(())
 }

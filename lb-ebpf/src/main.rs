@@ -715,22 +715,22 @@ fn sock_ops_field(ctx: &SockOpsContext, read: impl Fn(&bpf_sock_ops) -> u32) -> 
     read(unsafe { &*ctx.ops })
 }
 
-/// Where a socket's record lives, as sock_ops finds it.
-enum Record {
+/// A socket's record as sock_ops finds it: a copy of its facts, and where
+/// it lives. Every field is written on both paths: the verifier refuses a
+/// program that reads stack it never wrote unless it runs with
+/// CAP_PERFMON, which the DaemonSet does not grant, and the compiler may
+/// read both variants of an enum before choosing one.
+struct Record {
+    facts: SocketRecord,
+    place: Place,
+}
+
+enum Place {
     /// In the socket's storage (the record can be updated in place).
     Stored(*mut SocketRecord),
     /// In the legacy LRU, by cookie (a socket redirected before an upgrade,
     /// or on a kernel without socket storage in sock_addr).
-    Legacy(u64, SocketRecord),
-}
-
-impl Record {
-    fn get(&self) -> SocketRecord {
-        match self {
-            Self::Stored(record) => unsafe { **record },
-            Self::Legacy(_, record) => *record,
-        }
-    }
+    Legacy(u64),
 }
 
 #[inline(always)]
@@ -742,12 +742,19 @@ fn sock_ops_record(ctx: &SockOpsContext) -> Option<Record> {
         let stored = unsafe { bpf_sk_storage_get(map, sk.cast(), core::ptr::null_mut(), 0) }
             .cast::<SocketRecord>();
         if !stored.is_null() {
-            return Some(Record::Stored(stored));
+            let facts = unsafe { *stored };
+            return Some(Record {
+                facts,
+                place: Place::Stored(stored),
+            });
         }
     }
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let record = unsafe { LEGACY_REDIRECTS.get(cookie) }.copied()?;
-    Some(Record::Legacy(cookie, record))
+    let facts = unsafe { LEGACY_REDIRECTS.get(cookie) }.copied()?;
+    Some(Record {
+        facts,
+        place: Place::Legacy(cookie),
+    })
 }
 
 fn count_connection(ctx: &SockOpsContext) {
@@ -767,7 +774,7 @@ fn count_connection(ctx: &SockOpsContext) {
         }
         return;
     };
-    let backend_id = record.get().backend_id;
+    let backend_id = record.facts.backend_id;
     let Some(conns) = BACKEND_CONNS.get_ptr_mut(backend_id) else {
         return;
     };
@@ -783,10 +790,10 @@ fn count_connection(ctx: &SockOpsContext) {
                 add_i64(&raw mut (*conns).live, 1);
                 core::ptr::write_volatile(&raw mut (*conns).consecutive_failures, 0);
             }
-            if let Record::Stored(stored) = record {
+            if let Place::Stored(stored) = record.place {
                 unsafe { (*stored).flags |= SOCKET_FLAG_LIVE };
             }
-            let facts = record.get();
+            let facts = record.facts;
             if has(features::SOCKMAP) && facts.flags & SOCKET_FLAG_ACCELERATE != 0 {
                 pair_client_side(ctx, &facts.backend);
             }
@@ -808,18 +815,18 @@ fn count_connection(ctx: &SockOpsContext) {
             if new_state != TCP_CLOSE {
                 return;
             }
-            if has(features::SOCKMAP) && record.get().flags & SOCKET_FLAG_ACCELERATE != 0 {
+            if has(features::SOCKMAP) && record.facts.flags & SOCKET_FLAG_ACCELERATE != 0 {
                 forget_accelerated(ctx);
             }
-            let counted = match &record {
-                Record::Stored(stored) => unsafe { (**stored).flags & SOCKET_FLAG_LIVE != 0 },
+            let counted = match record.place {
+                Place::Stored(stored) => unsafe { (*stored).flags & SOCKET_FLAG_LIVE != 0 },
                 // The first layout counted every record that got past
                 // SYN_SENT.
-                Record::Legacy(..) => old_state != TCP_SYN_SENT,
+                Place::Legacy(_) => old_state != TCP_SYN_SENT,
             };
             if counted {
                 unsafe { add_i64(&raw mut (*conns).live, -1) };
-                if let Record::Stored(stored) = record {
+                if let Place::Stored(stored) = record.place {
                     unsafe { (*stored).flags &= !SOCKET_FLAG_LIVE };
                 }
             } else if old_state == TCP_SYN_SENT {
@@ -836,7 +843,7 @@ fn count_connection(ctx: &SockOpsContext) {
             }
             // The socket storage goes with the socket; a legacy record must
             // be removed.
-            if let Record::Legacy(cookie, _) = record {
+            if let Place::Legacy(cookie) = record.place {
                 let _ = LEGACY_REDIRECTS.remove(cookie);
             }
         }

@@ -108,7 +108,8 @@ pub mod features {
 pub mod repair {
     /// A link pin was removed and is pinned again from the daemon's link.
     pub const LINK_PIN: usize = 0;
-    /// A link was detached or defunct, and a new one was attached.
+    /// A link was detached or defunct, and a new one was attached; or the
+    /// sk_msg program was detached from the sockhash and attached again.
     pub const LINK: usize = 1;
     /// The cgroup was removed and recreated at its path; links re-attached.
     pub const CGROUP: usize = 2;

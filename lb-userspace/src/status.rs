@@ -16,7 +16,7 @@ use lb_common::{
     DAEMON_FLAG_RUNNING, DaemonRecord, PATH_LEN, ROLE_PREFERRED, ROLE_STANDBY,
     SERVICE_FLAG_ACCELERATE, SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_LEAST_CONN,
     SERVICE_FLAG_PREFER_LOCAL, SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY, SLOTS_PER_LIST, ServiceEntry,
-    SockKey, repair,
+    SockKey, names, repair,
 };
 use serde::Serialize;
 
@@ -175,6 +175,18 @@ fn link_problems(paths: &PinPaths, cgroup_path: Option<&Path>, cgroup_id: u64) -
     problems
 }
 
+/// The sockhash without its sk_msg program: connections paired from then
+/// on take the normal path. Says nothing where the kernel cannot tell
+/// (before Linux 5.19).
+fn sk_msg_problem(paths: &PinPaths) -> Option<String> {
+    let map = sys::open_pinned(&paths.map(names::SOCKHASH)).ok()?;
+    let attached = sys::sk_msg_programs(map.as_fd()).ok()?;
+    attached.is_empty().then(|| {
+        "the sk_msg program is detached from the sockhash: connections are no longer accelerated"
+            .to_string()
+    })
+}
+
 /// Slots whose target is not the backend they are counted for: traffic
 /// would go one place while status credits another.
 fn slot_problems(
@@ -236,6 +248,7 @@ pub fn read(store: &dyn MapStore, paths: &PinPaths) -> StatusReport {
         .map(|(id, info)| (*id, info.target))
         .collect();
     problems.extend(slot_problems(store, &entries, &targets));
+    problems.extend(sk_msg_problem(paths));
     if !daemon.running {
         problems.push(match daemon.heartbeat_age_ms {
             Some(age) => format!(

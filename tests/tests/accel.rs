@@ -9,12 +9,15 @@
 use std::{
     io::{BufRead, BufReader, Write},
     net::SocketAddr,
+    os::fd::AsFd,
     path::{Path, PathBuf},
     process::{Child, ChildStdin, ChildStdout, Command, Stdio},
     time::{Duration, Instant},
 };
 
+use lb_common::names;
 use serde_json::Value;
+use socklb::dataplane::{PinPaths, sys};
 use socklb_tests::{
     Cgroup, Daemon, TempDir, backend_field, cluster::helper_bin, free_port, record_figures,
     require_root, socklb,
@@ -321,6 +324,88 @@ fn a_thousand_concurrent_accelerated_connections() {
     let report = setup.check("many", &["--connections", "1000"]);
     assert_eq!(report["connections"], 1000);
     assert_eq!(report["failed"], 0);
+}
+
+/// The sk_msg program detached from the sockhash (`bpftool prog detach`):
+/// connections paired from then on silently take the normal path. The
+/// next verification pass attaches it again and counts a link repair; with
+/// the daemon stopped, status says what is wrong.
+#[test]
+fn a_detached_sk_msg_program_is_attached_again() {
+    let mut setup = Accelerated::new("accel-skmsg");
+    let sockhash = PinPaths::new(&setup.daemon.pin_path).map(names::SOCKHASH);
+    let attached = || {
+        let map = sys::open_pinned(&sockhash).expect("the pinned sockhash");
+        sys::sk_msg_programs(map.as_fd()).expect("BPF_PROG_QUERY of the sockhash")
+    };
+    let programs = attached();
+    assert_eq!(programs.len(), 1, "one sk_msg program on the sockhash");
+    let detach = || {
+        let output = Command::new("bpftool")
+            .args(["prog", "detach", "id", &programs[0].to_string()])
+            .args(["sk_msg_verdict", "pinned"])
+            .arg(&sockhash)
+            .output()
+            .expect("bpftool (Debian package bpftool)");
+        assert!(output.status.success(), "bpftool prog detach: {output:?}");
+        assert_eq!(attached(), Vec::<u32>::new(), "detached");
+    };
+    // Status lists the kinds that were repaired at least once.
+    let link_repairs = |status: &Value| {
+        status["data_plane"]["repairs_by_kind"]["link"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    let problems = |status: &Value| status["data_plane"]["problems"].to_string();
+    let status = setup.daemon.status().expect("status");
+    assert_eq!(link_repairs(&status), 0, "no link repair before: {status}");
+
+    // While the daemon runs: repaired by the next pass.
+    detach();
+    let detached = Instant::now();
+    setup
+        .daemon
+        .wait_for("one link repair", Duration::from_secs(10), |status| {
+            link_repairs(status) == 1
+        });
+    record_figures(&format!(
+        "detached sk_msg program attached again after {} ms",
+        detached.elapsed().as_millis()
+    ));
+    assert_eq!(attached(), programs, "the daemon's own program is back");
+    assert!(
+        setup
+            .daemon
+            .log()
+            .contains("the sk_msg program was detached"),
+        "the repair is logged"
+    );
+    let report = setup.check("integrity", &["--writes", "large", "--bytes", "67108864"]);
+    assert_bypassed_tcp(&report);
+
+    // With the daemon stopped: status names the problem, and a new
+    // connection takes the normal path (TCP carries its bytes).
+    setup.daemon.signal(libc::SIGSTOP);
+    detach();
+    let status = setup.daemon.status().expect("status");
+    assert!(
+        problems(&status).contains("the sk_msg program is detached from the sockhash"),
+        "status names the detached program: {status}"
+    );
+    let report = setup.check("integrity", &["--writes", "large", "--bytes", "16777216"]);
+    assert!(
+        tcp_bytes(&report) >= 2 * (16u64 << 20),
+        "a connection paired without the program takes TCP: {report}"
+    );
+    setup.daemon.signal(libc::SIGCONT);
+    setup
+        .daemon
+        .wait_for("a second link repair", Duration::from_secs(10), |status| {
+            link_repairs(status) == 2 && !problems(status).contains("sk_msg")
+        });
+    assert_eq!(attached(), programs, "the daemon's own program is back");
+    let report = setup.check("integrity", &["--writes", "large", "--bytes", "67108864"]);
+    assert_bypassed_tcp(&report);
 }
 
 /// nginx with `sendfile on` in socklb's cgroup, fetched with curl through

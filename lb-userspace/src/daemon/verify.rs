@@ -7,6 +7,8 @@ use std::collections::HashSet;
 
 use tracing::warn;
 
+use lb_common::names;
+
 use super::state::Owner;
 use crate::{
     dataplane::{LinkProblem, PinPaths, Running, install},
@@ -31,6 +33,7 @@ impl Verifier {
         let mut done = Vec::new();
         self.map_pins(paths, running, &mut done);
         self.links(running, owner, &mut done);
+        self.sk_msg(paths, running, &mut done);
         self.maps(running, owner, &mut done);
         if owner.is_dirty() {
             owner.write(&mut running.maps);
@@ -99,6 +102,30 @@ impl Verifier {
         if owner.settings().attached_cgroup_id != cgroup_id {
             owner.set_attached_cgroup(cgroup_id);
             owner.write(&mut running.maps);
+        }
+    }
+
+    /// The sk_msg program on the sockhash: without it, connections that
+    /// sock_ops pairs from then on take the normal path, and nothing else
+    /// would say so.
+    fn sk_msg(&mut self, paths: &PinPaths, running: &mut Running, done: &mut Vec<usize>) {
+        if install::sk_msg_attached(running) != Some(false) {
+            return;
+        }
+        let sockhash = paths.map(names::SOCKHASH);
+        match install::reattach_sk_msg(running, paths) {
+            Ok(()) => {
+                warn!(
+                    "data plane: the sk_msg program was detached from {} by someone else; attached it again (connections paired meanwhile stay on the normal path)",
+                    sockhash.display()
+                );
+                done.push(lb_common::repair::LINK);
+            }
+            Err(error) => self.say_once(format!(
+                "data plane: the sk_msg program was detached from {} by someone else and attaching it again failed: {}",
+                sockhash.display(),
+                errors::chain(&error)
+            )),
         }
     }
 

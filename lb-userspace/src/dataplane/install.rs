@@ -155,6 +155,22 @@ pub fn bring_up(
     })
 }
 
+/// Whether this load's sk_msg program is the one attached to the
+/// sockhash; `None` when the kernel cannot say (querying a sockhash needs
+/// Linux 5.19).
+pub fn sk_msg_attached(running: &Running) -> Option<bool> {
+    let ours = object::program_fd(&running.ebpf, names::SKMSG).ok()?;
+    let id = sys::prog_info(ours.as_fd()).ok()?.id;
+    let map = running.maps.fd(names::SOCKHASH)?;
+    Some(sys::sk_msg_programs(map).ok()?.contains(&id))
+}
+
+/// Attaches this load's sk_msg program to the sockhash again, after
+/// someone detached it.
+pub fn reattach_sk_msg(running: &Running, paths: &PinPaths) -> Result<(), KernelError> {
+    attach_sk_msg(&running.ebpf, &running.maps, paths)
+}
+
 /// Attaches the sk_msg program to the sockhash, in place of the one a
 /// previous load attached. The map holds it as long as the map lives.
 fn attach_sk_msg(ebpf: &Ebpf, maps: &BpfMaps, paths: &PinPaths) -> Result<(), KernelError> {

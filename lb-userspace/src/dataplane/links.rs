@@ -259,7 +259,7 @@ impl Attachment {
                 continue;
             }
             let listed = cgroup_file.as_ref().is_none_or(|file| {
-                sys::cgroup_programs(file.as_fd(), attach_type(program))
+                sys::attached_programs(file.as_fd(), attach_type(program))
                     .map_or(true, |ids| ids.contains(&info.prog_id))
             });
             if !listed {

@@ -210,15 +210,16 @@ struct QueryAttr {
     _pad: u32,
 }
 
-/// The programs attached directly to a cgroup for one hook.
-pub fn cgroup_programs(
-    cgroup: BorrowedFd<'_>,
+/// The programs attached directly to a cgroup for one hook, or to a
+/// sockmap or sockhash (Linux 5.19).
+pub fn attached_programs(
+    target: BorrowedFd<'_>,
     attach_type: bpf_attach_type,
 ) -> io::Result<Vec<u32>> {
     // Room for far more programs than any host attaches to one hook.
     let mut ids = vec![0u32; 256];
     let mut attr = QueryAttr {
-        target_fd: cgroup.as_raw_fd() as u32,
+        target_fd: target.as_raw_fd() as u32,
         attach_type: attach_type as u32,
         query_flags: 0,
         attach_flags: 0,
@@ -229,6 +230,11 @@ pub fn cgroup_programs(
     bpf(bpf_cmd::BPF_PROG_QUERY, &mut attr)?;
     ids.truncate(attr.prog_cnt.min(ids.len() as u32) as usize);
     Ok(ids)
+}
+
+/// The sk_msg programs attached to a sockmap or sockhash (Linux 5.19).
+pub fn sk_msg_programs(map: BorrowedFd<'_>) -> io::Result<Vec<u32>> {
+    attached_programs(map, bpf_attach_type::BPF_SK_MSG_VERDICT)
 }
 
 #[repr(C)]

@@ -526,18 +526,36 @@ fn table_swaps_under_churn_never_show_a_half_written_table() {
     assert!(counts.len() == 3, "connects saw both tables: {counts:?}");
 }
 
+/// Kernel logs are off by default; a restart with `--bpf-log debug` on the
+/// same pins applies it (the links switch to the new programs), and the
+/// connect program's records reach the daemon's log.
 #[test]
 fn kernel_logs_are_forwarded_when_asked_for() {
     let OneBackend {
         cgroup,
-        backend: _backend,
+        backend,
         vip,
-        daemon,
-    } = one_backend("bpflog", &["--bpf-log", "debug"]);
+        mut daemon,
+    } = one_backend("bpflog", &[]);
+    let record = "socklb: table 0 slot";
+    let attempts = ClientRun::new(vip, Some(&cgroup.path), 3).run();
+    assert!(attempts.iter().all(|a| a.ok), "{attempts:?}");
+    daemon.restart_with(&service_args(
+        &cgroup.path,
+        &[vip],
+        &[backend.addr],
+        &["--bpf-log", "debug"],
+    ));
+    daemon.wait_health(&[backend.addr], true, Duration::from_secs(10));
+    assert!(
+        !daemon.log().contains(record),
+        "no kernel record while logging was off:\n{}",
+        daemon.log()
+    );
     let attempts = ClientRun::new(vip, Some(&cgroup.path), 3).run();
     assert!(attempts.iter().all(|a| a.ok), "{attempts:?}");
     assert!(
-        daemon.log_shows("socklb: table 0 slot", Duration::from_secs(3)),
+        daemon.log_shows(record, Duration::from_secs(3)),
         "the connect program's debug record reaches the daemon's log:\n{}",
         daemon.log()
     );

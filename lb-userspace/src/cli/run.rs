@@ -161,8 +161,8 @@ pub struct RunArgs {
     /// Remove the data plane on exit instead of leaving it redirecting.
     #[arg(long)]
     cleanup_on_exit: bool,
-    /// Log level of the kernel programs, forwarded to this log. Fixed when the
-    /// programs are first loaded; `off` keeps logging out of connect().
+    /// Log level of the kernel programs, forwarded to this log. Applied at
+    /// each start; `off` keeps logging out of connect().
     #[arg(long, value_enum, default_value = "off")]
     bpf_log: BpfLogLevel,
     /// Install even if another socklb serves one of these VIPs on this

@@ -171,10 +171,9 @@ fn open_cgroup(cgroup: &CgroupTarget) -> Result<File, KernelError> {
 }
 
 impl Attachment {
-    /// Adopts each pinned link that attaches to the cgroup: as it is when it
-    /// runs this load's program (same instructions, this install's maps),
-    /// else after switching it to this load's program with
-    /// BPF_LINK_UPDATE, atomically (an upgrade). Attaches and pins a new
+    /// Adopts each pinned link that attaches to the cgroup, switching it to
+    /// this load's program with BPF_LINK_UPDATE, atomically (an upgrade
+    /// when the program differs, which is noted). Attaches and pins a new
     /// link where none is pinned, or the pinned one is detached or
     /// defunct. `map_id` is the id of this install's socket storage map.
     pub fn establish(
@@ -209,19 +208,21 @@ impl Attachment {
             let ours = object::program_fd(ebpf, program)?;
             let our_tag = sys::prog_info(ours.as_fd()).map(|info| info.tag).ok();
             // Without CAP_SYS_ADMIN the program behind the link cannot be
-            // read: the link is switched to ours, which is atomic and safe
-            // when they are the same.
+            // read (then it counts as another version).
             let current = sys::prog_fd_by_id(info.prog_id)
                 .and_then(|fd| sys::prog_info(fd.as_fd()))
                 .ok();
             let same = current.as_ref().is_some_and(|current| {
                 Some(current.tag) == our_tag && current.map_ids.contains(&map_id)
             });
+            // Always this load's program, even when the instructions are the
+            // same: its read-only globals (log level, kernel features) are
+            // this start's. The switch is atomic.
+            sys::link_update(fd.as_fd(), ours.as_fd()).map_err(|source| KernelError::Io {
+                path: path.clone(),
+                source,
+            })?;
             if !same {
-                sys::link_update(fd.as_fd(), ours.as_fd()).map_err(|source| KernelError::Io {
-                    path: path.clone(),
-                    source,
-                })?;
                 notes.push(format!(
                     "{}: switched in place to this version's program (BPF_LINK_UPDATE; program id {} before)",
                     path.display(),

@@ -38,6 +38,10 @@ use socklb_tests::{
 const AGENTS: u32 = 1000;
 /// How long the herd runs on after the last server is back.
 const SETTLE: Duration = Duration::from_secs(60);
+/// How long the rolling restart waits after a server is back before it
+/// kills the next: longer than an agent's longest retry delay (1 s), so
+/// that no request meets two kills, one per attempt.
+const BETWEEN_RESTARTS: Duration = Duration::from_secs(2);
 /// Health checks of every run: a hung or dead server is out after two
 /// failed probes, every 200 ms.
 const HEALTH: [&str; 6] = [
@@ -305,6 +309,9 @@ fn herd(label: &'static str, rebalance: bool) -> Run {
         cluster.servers[server].start();
         daemon.wait_health(&[*addr], true, Duration::from_secs(20));
         restarts.push(started.elapsed().as_secs_f64());
+        if server + 1 < addrs.len() {
+            std::thread::sleep(BETWEEN_RESTARTS);
+        }
     }
     let at_last_restart = live_of(&daemon.status().unwrap(), &addrs);
     let last = Instant::now();
@@ -413,11 +420,16 @@ fn write_report(runs: &[&Run]) {
     }
     svg.push_str("</svg>\n");
     std::fs::write(dir.join("rolling-restart.svg"), svg).expect("the chart");
-    let mut text = String::from(
+    let mut text = format!(
         "## Rolling restart\n\n\
          Each server in turn is killed, started again and waited for until \
-         healthy; the herd runs on for 60 s after the last one.\n\n\
+         healthy; the next is killed {} s later (longer than an agent's \
+         longest retry delay, so that no request meets two kills, one per \
+         attempt: with no pause, the retries of requests cut by one kill \
+         landed on the next server as it was killed, and 5 to 12 requests \
+         in 65,000 failed). The herd runs on for 60 s after the last one.\n\n\
          | | rebalancing off | rebalancing on |\n| --- | --- | --- |\n",
+        BETWEEN_RESTARTS.as_secs()
     );
     let cell = |f: &dyn Fn(&Run) -> String| -> String {
         runs.iter()
@@ -554,8 +566,10 @@ fn a_herd_of_1000_through_a_rolling_restart_with_and_without_rebalancing() {
         on.moves,
         on.minimum_moves()
     );
-    // The goal is 0 failed requests; a request whose retry, too, is reset
-    // by a server as it is killed still fails, so the bound is one in a
+    // The goal is 0 failed requests, met with rebalancing on in all four
+    // runs here since the pause between restarts; but a retry that lands
+    // on a killed server before it is seen down still fails (one run of
+    // four with rebalancing off: 8 of 71,219), so the bound is one in a
     // thousand and the figure is reported.
     let requests = on.summary["requests"].as_u64().unwrap_or(0);
     assert!(

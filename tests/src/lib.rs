@@ -730,6 +730,36 @@ impl Daemon {
         unsafe { libc::kill(self.pid() as i32, signal) };
     }
 
+    /// Stops the daemon (SIGSTOP) and returns once every one of its threads
+    /// is stopped: kill(2) returns before they are, and a thread that runs
+    /// on meanwhile can still act (reopen a watch, repair something).
+    pub fn pause(&self) {
+        self.signal(libc::SIGSTOP);
+        let tasks = PathBuf::from(format!("/proc/{}/task", self.pid()));
+        let started = Instant::now();
+        loop {
+            let stopped = std::fs::read_dir(&tasks).is_ok_and(|entries| {
+                entries
+                    .flatten()
+                    .all(|task| thread_state(&task.path().join("stat")) == Some('T'))
+            });
+            if stopped {
+                return;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "the daemon {} did not stop on SIGSTOP",
+                self.pid()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Lets a paused daemon run on (SIGCONT).
+    pub fn resume(&self) {
+        self.signal(libc::SIGCONT);
+    }
+
     /// SIGKILL, and reap.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
@@ -1130,4 +1160,11 @@ pub fn old_socklb_bin() -> PathBuf {
             .current_dir(&source),
     );
     binary
+}
+
+/// The state letter of a thread from its /proc stat file (the field after
+/// the command name, which may itself hold spaces and parentheses).
+fn thread_state(stat: &Path) -> Option<char> {
+    let text = std::fs::read_to_string(stat).ok()?;
+    text.rsplit_once(')')?.1.trim_start().chars().next()
 }

@@ -385,7 +385,7 @@ fn a_detached_sk_msg_program_is_attached_again() {
 
     // With the daemon stopped: status names the problem, and a new
     // connection takes the normal path (TCP carries its bytes).
-    setup.daemon.signal(libc::SIGSTOP);
+    setup.daemon.pause();
     detach();
     let status = setup.daemon.status().expect("status");
     assert!(
@@ -397,7 +397,7 @@ fn a_detached_sk_msg_program_is_attached_again() {
         tcp_bytes(&report) >= 2 * (16u64 << 20),
         "a connection paired without the program takes TCP: {report}"
     );
-    setup.daemon.signal(libc::SIGCONT);
+    setup.daemon.resume();
     setup
         .daemon
         .wait_for("a second link repair", Duration::from_secs(10), |status| {

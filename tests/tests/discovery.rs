@@ -144,12 +144,12 @@ fn a_server_added_through_the_api_serves_within_1s_and_a_relist_after_410_follow
     // its watch is closed, b0 leaves, and the history is compacted: its
     // next watch starts from before the compaction.
     let before = api.stats();
-    daemon.signal(libc::SIGSTOP);
+    daemon.pause();
     api.close_watches();
     api.put_slice("default", "kubernetes", &ready(port, &[b1, b2]));
     api.compact();
     let resumed = Instant::now();
-    daemon.signal(libc::SIGCONT);
+    daemon.resume();
     daemon.wait_for("b0 gone after the relist", LIMIT, |status| {
         !listed(status, b0.addr) && listed(status, b1.addr) && listed(status, b2.addr)
     });

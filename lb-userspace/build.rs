@@ -5,7 +5,9 @@
 //!
 //! `AYA_BUILD_SKIP=1` skips it (for `cargo check` or `clippy` without the
 //! eBPF toolchain) and embeds an empty placeholder instead, which the
-//! binary refuses to install with a clear message.
+//! binary refuses to install with a clear message. So does a build without
+//! the `ebpf` feature (the xtask's own build: it installs the toolchain
+//! first, then builds socklb with the feature).
 
 use std::{env, fs, path::PathBuf};
 
@@ -16,6 +18,9 @@ fn main() -> anyhow::Result<()> {
     let object = out_dir.join("lb-ebpf");
     let skip = env::var_os("AYA_BUILD_SKIP")
         .is_some_and(|value| value == "1" || value.eq_ignore_ascii_case("true"));
+    if env::var_os("CARGO_FEATURE_EBPF").is_none() {
+        return fs::write(&object, []).context("writing the placeholder");
+    }
     if skip {
         println!("cargo:rerun-if-env-changed=AYA_BUILD_SKIP");
         println!(

@@ -798,8 +798,12 @@ fn count_connection(ctx: &SockOpsContext) {
                 pair_client_side(ctx, &facts.backend);
             }
             // An established connection's timeouts say nothing about the
-            // server's health here; stop the RTO callbacks.
-            let flags = ctx.cb_flags() & !BPF_SOCK_OPS_RTO_CB_FLAG;
+            // server's health here; stop the RTO callbacks. Ask for state
+            // changes again: the connect callback may have run under another
+            // program (the first layout's, during an upgrade, which did not
+            // know this socket), and a count whose close is never seen
+            // stays up for good.
+            let flags = (ctx.cb_flags() | BPF_SOCK_OPS_STATE_CB_FLAG) & !BPF_SOCK_OPS_RTO_CB_FLAG;
             let _ = ctx.set_cb_flags(flags as i32);
         }
         BPF_SOCK_OPS_RTO_CB => {

@@ -248,7 +248,14 @@ pub fn read(store: &dyn MapStore, paths: &PinPaths) -> StatusReport {
         .map(|(id, info)| (*id, info.target))
         .collect();
     problems.extend(slot_problems(store, &entries, &targets));
-    problems.extend(sk_msg_problem(paths));
+    // The program is attached whatever the config; it matters only where a
+    // service accelerates.
+    if entries
+        .iter()
+        .any(|(_, entry)| entry.flags & SERVICE_FLAG_ACCELERATE != 0)
+    {
+        problems.extend(sk_msg_problem(paths));
+    }
     if !daemon.running {
         problems.push(match daemon.heartbeat_age_ms {
             Some(age) => format!(

@@ -110,6 +110,9 @@ fn without_socket_storage_the_lru_keeps_getpeername_and_counts() {
     });
     held.release();
     held.finish();
+    // The server closes its side too: a closed client socket of a held
+    // connection can otherwise wait out FIN_WAIT2 (60 s), counted live.
+    drop(backend);
     daemon.wait_for("0 live", Duration::from_secs(5), |status| {
         backend_field(status, &addr, "live") == Some(serde_json::json!(0))
     });

@@ -208,11 +208,13 @@ impl Attachment {
             let ours = object::program_fd(ebpf, program)?;
             let our_tag = sys::prog_info(ours.as_fd()).map(|info| info.tag).ok();
             // Without CAP_SYS_ADMIN the program behind the link cannot be
-            // read (then it counts as another version).
+            // read.
             let current = sys::prog_fd_by_id(info.prog_id)
                 .and_then(|fd| sys::prog_info(fd.as_fd()))
                 .ok();
-            let same = current.as_ref().is_some_and(|current| {
+            // Unknown (no CAP_SYS_ADMIN) counts as the same: a note on
+            // every restart of the DaemonSet would be a false alarm.
+            let same = current.as_ref().is_none_or(|current| {
                 Some(current.tag) == our_tag && current.map_ids.contains(&map_id)
             });
             // Always this load's program, even when the instructions are the

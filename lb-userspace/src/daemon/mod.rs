@@ -398,6 +398,11 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
             (false, false) => "installed the data plane",
         }
     );
+    if crate::dataplane::install::sk_msg_attached(&running).is_none() {
+        info!(
+            "this kernel cannot list the sk_msg program on the sockhash (BPF_PROG_QUERY of a sockhash needs Linux 5.19): the verification pass does not check it"
+        );
+    }
     // Loading parsed the kernel's BTF and the object (megabytes, now
     // freed): give that memory back to the system.
     trim_heap();

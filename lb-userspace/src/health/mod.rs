@@ -214,9 +214,10 @@ pub async fn probe_loop(
         .mul_f64(rand::rng().random_range(0.0..JITTER));
     time::sleep(first_delay).await;
     loop {
-        // Probes start every interval, however long each takes, so that a
-        // backend that times out is still judged within fall × interval +
-        // timeout.
+        // Probes start every interval, however long each takes (the next
+        // starts at once when one took longer), so that a backend that
+        // times out is judged within fall × max(interval, timeout) after
+        // its first failing probe starts.
         let started = time::Instant::now();
         let outcome = prober.probe(addr, settings.timeout).await;
         if reports

@@ -16,11 +16,11 @@ use anyhow::{Context, anyhow};
 fn main() -> anyhow::Result<()> {
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").context("cargo sets OUT_DIR")?);
     let object = out_dir.join("lb-ebpf");
-    let skip = env::var_os("AYA_BUILD_SKIP")
-        .is_some_and(|value| value == "1" || value.eq_ignore_ascii_case("true"));
     if env::var_os("CARGO_FEATURE_EBPF").is_none() {
         return fs::write(&object, []).context("writing the placeholder");
     }
+    let skip = env::var_os("AYA_BUILD_SKIP")
+        .is_some_and(|value| value == "1" || value.eq_ignore_ascii_case("true"));
     if skip {
         println!("cargo:rerun-if-env-changed=AYA_BUILD_SKIP");
         println!(

@@ -66,14 +66,9 @@ const PROBE_TIMEOUT_MS: u64 = 600;
 /// is followed at once by the next, so the fall-th failure comes
 /// fall × max(interval, timeout) later. Then 250 ms for close-on-failure to
 /// end the connections on the server and the agent to see its end.
-const fn detect_bound(timeout_ms: u64) -> Duration {
+fn detect_bound(timeout_ms: u64) -> Duration {
     let (interval_ms, fall) = (200, 2);
-    let per_probe = if timeout_ms > interval_ms {
-        timeout_ms
-    } else {
-        interval_ms
-    };
-    Duration::from_millis(interval_ms * 12 / 10 + fall * per_probe + 250)
+    Duration::from_millis(interval_ms * 12 / 10 + fall * timeout_ms.max(interval_ms) + 250)
 }
 
 /// Three server namespaces, a child cgroup and a daemon with least-conn,

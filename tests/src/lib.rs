@@ -1168,3 +1168,119 @@ fn thread_state(stat: &Path) -> Option<char> {
     let text = std::fs::read_to_string(stat).ok()?;
     text.rsplit_once(')')?.1.trim_start().chars().next()
 }
+
+/// A private mount namespace of the test's own, held open by a `sleep`
+/// process it started: what a test does to /sys/fs/bpf there never
+/// reaches the machine, and it all goes when the holder is killed on drop
+/// (bpffs mounted inside is a new instance; its pins go with it).
+pub struct MountNamespace {
+    holder: Child,
+}
+
+/// What /sys/fs/bpf holds when a [`MountNamespace`] starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BpffsStart {
+    /// Nothing: a node that booted without bpffs.
+    Unmounted,
+    /// A fresh bpffs, mode 0700, as socklb and systemd mount it.
+    Mounted0700,
+}
+
+impl MountNamespace {
+    pub fn new(start: BpffsStart) -> Self {
+        let holder = Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "--", "sleep", "600"])
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|error| panic!("unshare (util-linux): {error}"));
+        let namespace = Self { holder };
+        namespace.wait_entered();
+        // However many bpffs mounts the machine stacked there, none stays.
+        namespace.shell(
+            "while [ \"$(stat -f -c %T /sys/fs/bpf)\" = bpf_fs ]; do umount -l /sys/fs/bpf; done",
+        );
+        if start == BpffsStart::Mounted0700 {
+            namespace.shell("mount -t bpf -o mode=0700 bpf /sys/fs/bpf");
+        }
+        assert_eq!(
+            namespace.bpffs_mounts().len(),
+            usize::from(start == BpffsStart::Mounted0700),
+            "bpffs mounts in the test's namespace"
+        );
+        namespace
+    }
+
+    /// Returns once the holder runs in its own namespace (unshare has
+    /// exec'd sleep).
+    fn wait_entered(&self) {
+        let own = std::fs::read_link("/proc/self/ns/mnt").expect("this mount namespace");
+        let theirs = PathBuf::from(format!("/proc/{}/ns/mnt", self.holder.id()));
+        let started = Instant::now();
+        while std::fs::read_link(&theirs).ok().as_ref() == Some(&own)
+            || std::fs::read_link(&theirs).is_err()
+        {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "unshare --mount did not make a namespace"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// The command prefix that runs a program in this namespace.
+    pub fn enter(&self) -> Vec<String> {
+        vec![
+            "nsenter".into(),
+            "--target".into(),
+            self.holder.id().to_string(),
+            "--mount".into(),
+            "--".into(),
+        ]
+    }
+
+    /// Runs a `sh -ec` script in this namespace as full root; panics if it
+    /// fails.
+    pub fn shell(&self, script: &str) {
+        let enter = self.enter();
+        let output = Command::new(&enter[0])
+            .args(&enter[1..])
+            .args(["/bin/sh", "-ec", script])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap_or_else(|error| panic!("nsenter (util-linux): {error}"));
+        assert!(
+            output.status.success(),
+            "{script} in the test's mount namespace: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+
+    /// A path as the namespace sees it, from the test's own namespace.
+    pub fn path(&self, path: &Path) -> PathBuf {
+        let inside = path.strip_prefix("/").unwrap_or(path);
+        PathBuf::from(format!("/proc/{}/root", self.holder.id())).join(inside)
+    }
+
+    /// The super options (`rw,mode=700`) of each bpffs mounted on
+    /// /sys/fs/bpf in this namespace.
+    pub fn bpffs_mounts(&self) -> Vec<String> {
+        let mountinfo = std::fs::read_to_string(format!("/proc/{}/mountinfo", self.holder.id()))
+            .expect("the namespace's mountinfo");
+        mountinfo
+            .lines()
+            .filter_map(|line| {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                let separator = fields.iter().position(|field| *field == "-")?;
+                (fields.get(4) == Some(&"/sys/fs/bpf") && fields.get(separator + 1) == Some(&"bpf"))
+                    .then(|| fields.get(separator + 3).unwrap_or(&"").to_string())
+            })
+            .collect()
+    }
+}
+
+impl Drop for MountNamespace {
+    fn drop(&mut self) {
+        let _ = self.holder.kill();
+        let _ = self.holder.wait();
+    }
+}

@@ -1,9 +1,11 @@
 //! The packaging: the Kubernetes manifests validated offline against the
 //! API's schemas, the systemd unit verified by systemd, and least privilege
-//! proven: socklb runs as uid 65534 with exactly the capabilities that the
-//! DaemonSet adds (and the unit's bounding set holds), redirects, restarts
+//! proven: socklb runs as the DaemonSet's container runs it, uid 0 holding
+//! exactly the capabilities the manifest adds (and the unit's bounding set
+//! holds), on a node whose bpffs is mounted 0700 and on one without bpffs
+//! (where the init container's script mounts it). It redirects, restarts
 //! onto its pins, answers the readiness probe and uninstalls; without any
-//! one of them it refuses to start and names what is missing.
+//! one of the capabilities it refuses to start and names what is missing.
 
 use std::{
     net::SocketAddr,
@@ -13,8 +15,8 @@ use std::{
 };
 
 use socklb_tests::{
-    Backend, Cgroup, ClientRun, Daemon, free_port, kube::python, record_figures, require_root,
-    service_args, socklb_bin, spread, unique_name,
+    Backend, BpffsStart, Cgroup, ClientRun, Daemon, MountNamespace, TempDir, free_port,
+    kube::python, record_figures, require_root, service_args, socklb_bin, spread, unique_name,
 };
 
 fn repo() -> PathBuf {
@@ -85,14 +87,13 @@ fn the_manifests_validate_against_the_kubernetes_schemas() {
     assert!(!passed && text.contains("toleration"), "{text}");
 }
 
-/// A field of the DaemonSet's socklb container, read with PyYAML (which
-/// the Kubernetes client brings) as JSON.
-fn daemonset_container() -> serde_json::Value {
+/// The DaemonSet's pod spec, read with PyYAML (which the Kubernetes
+/// client brings) as JSON.
+fn daemonset_pod_spec() -> serde_json::Value {
     let script = r#"
 import json, sys, yaml
 daemonset = yaml.safe_load(open(sys.argv[1]))
-container = next(c for c in daemonset["spec"]["template"]["spec"]["containers"] if c["name"] == "socklb")
-print(json.dumps(container))
+print(json.dumps(daemonset["spec"]["template"]["spec"]))
 "#;
     let output = Command::new(python())
         .arg("-c")
@@ -105,7 +106,16 @@ print(json.dumps(container))
         "{}",
         String::from_utf8_lossy(&output.stderr)
     );
-    serde_json::from_slice(&output.stdout).expect("the container as JSON")
+    serde_json::from_slice(&output.stdout).expect("the pod spec as JSON")
+}
+
+/// The DaemonSet's socklb container.
+fn daemonset_container() -> serde_json::Value {
+    daemonset_pod_spec()["containers"]
+        .as_array()
+        .and_then(|containers| containers.iter().find(|c| c["name"] == "socklb"))
+        .expect("the socklb container")
+        .clone()
 }
 
 /// The capabilities the DaemonSet adds, in setpriv's spelling (`bpf`).
@@ -178,42 +188,55 @@ fn the_systemd_unit_verifies_and_bounds_the_same_capabilities() {
     );
 }
 
-/// `setpriv` as uid 65534 with exactly `caps` (setpriv's names).
-fn as_nobody_with(caps: &[String]) -> Vec<String> {
+/// The launcher that runs a command as the DaemonSet's container runs
+/// socklb, in `namespace`'s mounts: uid 0 with the capability bounding and
+/// inheritable sets cut to `caps` (setpriv's names) and no_new_privs
+/// (`allowPrivilegeEscalation: false`), so that root holds nothing else.
+fn as_container_with(namespace: &MountNamespace, caps: &[String]) -> Vec<String> {
     let list: String = caps.iter().map(|cap| format!(",+{cap}")).collect();
-    vec![
+    let mut launcher = namespace.enter();
+    launcher.extend([
         "setpriv".into(),
-        "--reuid=65534".into(),
-        "--regid=65534".into(),
+        "--reuid=0".into(),
+        "--regid=0".into(),
         "--clear-groups".into(),
         format!("--inh-caps=-all{list}"),
-        format!("--ambient-caps=-all{list}"),
         format!("--bounding-set=-all{list}"),
-    ]
+        "--no-new-privs".into(),
+    ]);
+    launcher
 }
 
-/// A directory owned by uid 65534, mode 0700, removed on drop.
-struct NobodyDir(PathBuf);
-
-impl NobodyDir {
-    fn new(label: &str) -> Self {
-        let dir = std::env::temp_dir().join(unique_name(label));
-        std::fs::create_dir(&dir).unwrap();
-        std::os::unix::fs::chown(&dir, Some(65534), Some(65534)).unwrap();
-        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))
-            .unwrap();
-        Self(dir)
+/// The bit of a capability (setpriv's name) in /proc/PID/status.
+fn capability_bit(name: &str) -> u32 {
+    match name {
+        "net_admin" => 12,
+        "net_raw" => 13,
+        "sys_admin" => 21,
+        "sys_resource" => 24,
+        "perfmon" => 38,
+        "bpf" => 39,
+        other => panic!("capability_bit: add {other}"),
     }
 }
 
-impl Drop for NobodyDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// The effective capability set a process started by `launcher` holds.
+fn effective_capabilities(launcher: &[String]) -> u64 {
+    let output = Command::new(&launcher[0])
+        .args(&launcher[1..])
+        .args(["cat", "/proc/self/status"])
+        .output()
+        .expect("the launcher runs cat");
+    let status = String::from_utf8_lossy(&output.stdout);
+    let hex = status
+        .lines()
+        .find_map(|line| line.strip_prefix("CapEff:"))
+        .unwrap_or_else(|| panic!("CapEff in {status}"));
+    u64::from_str_radix(hex.trim(), 16).expect("CapEff is hex")
 }
 
-/// Waits until `status --json`, read with the same privileges (root
-/// refuses a pin directory another user owns), shows every backend healthy.
+/// Waits until `status --json`, run by the same launcher, shows every
+/// backend healthy.
 fn wait_healthy(launcher: &[String], run_dir: &Path, pin: &str, addrs: &[SocketAddr]) {
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     let mut last = serde_json::Value::Null;
@@ -248,13 +271,45 @@ fn run_as(launcher: &[String], run_dir: &Path, args: &[&str]) -> std::process::O
         .env("SOCKLB_RUN_DIR", run_dir)
         .stdin(Stdio::null())
         .output()
-        .expect("setpriv (cargo xtask test installs util-linux)")
+        .expect("nsenter and setpriv (cargo xtask test installs util-linux)")
 }
 
-#[test]
-fn socklb_runs_as_nobody_with_exactly_the_daemonsets_capabilities() {
+/// The init container's command from deploy/kubernetes/daemonset.yaml:
+/// `/bin/sh -ec SCRIPT`.
+fn init_container_command() -> Vec<String> {
+    let spec = daemonset_pod_spec();
+    let init = spec["initContainers"]
+        .as_array()
+        .and_then(|containers| {
+            containers
+                .iter()
+                .find(|container| container["name"] == "mount-bpffs")
+        })
+        .expect("the mount-bpffs init container");
+    init["command"]
+        .as_array()
+        .expect("its command")
+        .iter()
+        .map(|word| word.as_str().expect("a string").to_string())
+        .collect()
+}
+
+/// socklb as the DaemonSet runs it: uid 0 holding exactly the capabilities
+/// the manifest adds, on a node whose /sys/fs/bpf starts as `start` (in a
+/// mount namespace of the test's own). It installs, redirects, answers the
+/// readiness probe, restarts onto its pins and uninstalls; without any one
+/// of the capabilities it refuses to start, naming the one that is missing.
+fn least_privilege(start: BpffsStart) {
     require_root();
     let caps = daemonset_capabilities();
+    let namespace = MountNamespace::new(start);
+    let launcher = as_container_with(&namespace, &caps);
+    let wanted: u64 = caps.iter().map(|cap| 1u64 << capability_bit(cap)).sum();
+    assert_eq!(
+        effective_capabilities(&launcher),
+        wanted,
+        "root in the container holds exactly {caps:?}"
+    );
     let cgroup = Cgroup::new("leastpriv");
     let backends = [
         Backend::start("b0", "127.0.0.2"),
@@ -262,8 +317,8 @@ fn socklb_runs_as_nobody_with_exactly_the_daemonsets_capabilities() {
     ];
     let addrs: Vec<SocketAddr> = backends.iter().map(|backend| backend.addr).collect();
     let vip = SocketAddr::from(([127, 0, 0, 1], free_port()));
-    let run_dir = NobodyDir::new("leastpriv-run");
-    let state_dir = NobodyDir::new("leastpriv-state");
+    let run_dir = TempDir::new("leastpriv-run");
+    let state_dir = TempDir::new("leastpriv-state");
     let pin_path = PathBuf::from("/sys/fs/bpf").join(unique_name("leastpriv"));
     let pin = pin_path.display().to_string();
     let mut args = service_args(
@@ -273,25 +328,59 @@ fn socklb_runs_as_nobody_with_exactly_the_daemonsets_capabilities() {
         &["--close-on-failure", "true"],
     );
     args.extend(["--state-dir".to_string(), state_dir.0.display().to_string()]);
-    let launcher = as_nobody_with(&caps);
     let run_dir_env = run_dir.0.display().to_string();
     let env = [("SOCKLB_RUN_DIR", run_dir_env.as_str())];
+    let mut run_args = vec!["run", "--pin-path", &pin];
+    run_args.extend(args.iter().map(String::as_str));
 
-    // Without each capability in turn: refused before anything is made,
-    // naming the one that is missing.
-    for missing in &caps {
-        let fewer: Vec<String> = caps.iter().filter(|cap| *cap != missing).cloned().collect();
-        let mut run_args = vec!["run", "--pin-path", &pin];
-        run_args.extend(args.iter().map(String::as_str));
-        let output = run_as(&as_nobody_with(&fewer), &run_dir.0, &run_args);
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        let name = format!("CAP_{}", missing.to_ascii_uppercase());
-        assert_ne!(output.status.code(), Some(0), "without {name}");
-        assert!(
-            stderr.contains(&format!("this process lacks {name})")),
-            "names {name}: {stderr}"
-        );
-        assert!(!pin_path.exists(), "nothing pinned without {name}");
+    match start {
+        BpffsStart::Unmounted => {
+            // Without CAP_SYS_ADMIN the daemon cannot mount bpffs itself:
+            // it says so, and mounts nothing.
+            let output = run_as(&launcher, &run_dir.0, &run_args);
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            assert_ne!(output.status.code(), Some(0), "runs without bpffs");
+            assert!(
+                stderr.contains("mounting bpffs on /sys/fs/bpf"),
+                "names the missing mount: {stderr}"
+            );
+            assert!(namespace.bpffs_mounts().is_empty(), "nothing mounted");
+            // The privileged init container mounts it, mode 0700; run
+            // again, it leaves that mount alone.
+            let command = init_container_command();
+            let script = command.last().expect("the script");
+            assert_eq!(command[..command.len() - 1], ["/bin/sh", "-ec"]);
+            namespace.shell(script);
+            let mounts = namespace.bpffs_mounts();
+            assert_eq!(mounts.len(), 1, "{mounts:?}");
+            assert!(mounts[0].contains("mode=700"), "{mounts:?}");
+            namespace.shell(script);
+            assert_eq!(namespace.bpffs_mounts(), mounts, "an existing mount stays");
+        }
+        BpffsStart::Mounted0700 => {
+            // Without each capability in turn: refused before anything is
+            // made, naming the one that is missing.
+            for missing in &caps {
+                let fewer: Vec<String> =
+                    caps.iter().filter(|cap| *cap != missing).cloned().collect();
+                let output = run_as(
+                    &as_container_with(&namespace, &fewer),
+                    &run_dir.0,
+                    &run_args,
+                );
+                let stderr = String::from_utf8_lossy(&output.stderr);
+                let name = format!("CAP_{}", missing.to_ascii_uppercase());
+                assert_ne!(output.status.code(), Some(0), "without {name}");
+                assert!(
+                    stderr.contains(&format!("this process lacks {name})")),
+                    "names {name}: {stderr}"
+                );
+                assert!(
+                    !namespace.path(&pin_path).exists(),
+                    "nothing pinned without {name}"
+                );
+            }
+        }
     }
 
     // With exactly them: it installs, redirects, and the readiness probe of
@@ -304,8 +393,13 @@ fn socklb_runs_as_nobody_with_exactly_the_daemonsets_capabilities() {
         served.contains_key("b0") && served.contains_key("b1"),
         "{served:?}"
     );
-    let pin_owner = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(&pin_path).unwrap());
-    assert_eq!(pin_owner, 65534, "the pins are the unprivileged daemon's");
+    let pins = std::fs::metadata(namespace.path(&pin_path)).expect("the pin directory");
+    assert_eq!(std::os::unix::fs::MetadataExt::uid(&pins), 0);
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&pins.permissions()) & 0o777,
+        0o700,
+        "the pin directory is root's alone"
+    );
     let readiness = run_as(
         &launcher,
         &run_dir.0,
@@ -346,10 +440,10 @@ fn socklb_runs_as_nobody_with_exactly_the_daemonsets_capabilities() {
         "{}",
         String::from_utf8_lossy(&uninstall.stderr)
     );
-    assert!(!pin_path.exists(), "uninstalled");
+    assert!(!namespace.path(&pin_path).exists(), "uninstalled");
     daemon.wait_exit(Duration::from_secs(10));
     record_figures(&format!(
-        "least privilege: socklb run/status/uninstall as uid 65534 with exactly {} (the DaemonSet's and the unit's set); without each, refused naming it",
+        "least privilege ({start:?} bpffs at start): socklb run/status/uninstall as uid 0 holding exactly {} (the DaemonSet's and the unit's set); without each, refused naming it",
         caps.iter()
             .map(|cap| format!("CAP_{}", cap.to_ascii_uppercase()))
             .collect::<Vec<_>>()
@@ -358,10 +452,20 @@ fn socklb_runs_as_nobody_with_exactly_the_daemonsets_capabilities() {
 }
 
 #[test]
+fn socklb_runs_with_exactly_the_daemonsets_capabilities_on_a_0700_bpffs() {
+    least_privilege(BpffsStart::Mounted0700);
+}
+
+#[test]
+fn without_bpffs_the_init_container_mounts_it_and_socklb_runs_with_exactly_its_capabilities() {
+    least_privilege(BpffsStart::Unmounted);
+}
+
+#[test]
 fn the_daemon_tells_systemd_when_it_redirects() {
     require_root();
     // The unit is Type=notify: a socket like systemd's NOTIFY_SOCKET.
-    let dir = NobodyDir::new("notify");
+    let dir = TempDir::new("notify");
     let socket_path = dir.0.join("notify");
     let socket = std::os::unix::net::UnixDatagram::bind(&socket_path).unwrap();
     socket

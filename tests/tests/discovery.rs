@@ -293,8 +293,14 @@ fn a_restart_while_the_api_is_down_uses_the_persisted_set() {
     daemon.restart();
     assert!(daemon.log_shows("using the last known set", LIMIT));
     daemon.wait_health(&[b0.addr, b1.addr], true, LIMIT);
+    // The heartbeat comes before the control socket that status asks for
+    // the sources: wait for the new daemon's answer.
+    daemon.wait_for(
+        "the new daemon to follow the persisted set",
+        LIMIT,
+        |status| following(status) == "persisted",
+    );
     let status = daemon.status().unwrap();
-    assert_eq!(following(&status), "persisted", "{status}");
     assert!(!listed(&status, b2.addr), "not the static seed: {status}");
     let spread = served(vip, &cgroup.path, 40);
     assert!(!spread.contains_key("b2"), "{spread:?}");

@@ -163,28 +163,31 @@ const FUZZ_SECONDS_IN_TEST: u32 = 20;
 
 /// Removes what a test run that was killed (SIGKILL, Ctrl-C) left behind:
 /// pin directories and cgroups named socklb-test-*, and the namespaces of
-/// test clusters. Only those names are touched; a cgroup that still holds a
-/// process is left alone with a warning.
+/// test clusters. Only those names are touched, and only those of a test
+/// process that is gone: a run of another checkout on this machine keeps
+/// its own. A cgroup that still holds a process is left alone with a
+/// warning.
 fn sweep_leftovers() {
-    let socklb_test = |name: &str| name.starts_with("socklb-test-");
     if let Ok(entries) = std::fs::read_dir("/sys/fs/bpf") {
         for entry in entries.flatten() {
-            if socklb_test(&entry.file_name().to_string_lossy()) {
+            if is_leftover(&entry.file_name().to_string_lossy()) {
                 println!("xtask: removing leftover pins {}", entry.path().display());
                 let _ = std::fs::remove_dir_all(entry.path());
             }
         }
     }
-    // Lock files and control sockets of test installs (their pin paths
-    // hold socklb-test-).
+    // Lock files and control sockets of test installs: their names are the
+    // pin paths, escaped (`-` as `\x2d`).
     if let Ok(entries) = std::fs::read_dir(socklb::dataplane::lock::RUN_DIR) {
         for entry in entries.flatten() {
-            if entry
-                .file_name()
-                .to_string_lossy()
-                .contains("socklb\\x2dtest\\x2d")
-            {
-                let _ = std::fs::remove_file(entry.path());
+            let name = entry.file_name().to_string_lossy().replace("\\x2d", "-");
+            if let Some(start) = name.find("socklb-test-") {
+                let stem = name[start..]
+                    .rsplit_once('.')
+                    .map_or(&name[start..], |(stem, _)| stem);
+                if is_leftover(stem) {
+                    let _ = std::fs::remove_file(entry.path());
+                }
             }
         }
     }
@@ -192,7 +195,7 @@ fn sweep_leftovers() {
         && let Ok(entries) = std::fs::read_dir(&root)
     {
         for entry in entries.flatten() {
-            if socklb_test(&entry.file_name().to_string_lossy())
+            if is_leftover(&entry.file_name().to_string_lossy())
                 && remove_cgroup_tree(&entry.path()).is_err()
             {
                 println!(
@@ -212,14 +215,36 @@ fn sweep_leftovers() {
     }) {
         let name = line.split_whitespace().next().unwrap_or_default();
         // Test clusters name them socklb-<pid>x<n>-sw and socklb-<pid>x<n>-s<i>.
-        if name.starts_with("socklb-")
+        let cluster = name.starts_with("socklb-")
             && name.contains('x')
-            && (name.ends_with("-sw") || name.contains("-s"))
-        {
+            && (name.ends_with("-sw") || name.contains("-s"));
+        if cluster && namespace_is_empty(name) {
             println!("xtask: removing leftover namespace {name}");
             let _ = Command::new("ip").args(["netns", "del", name]).status();
         }
     }
+}
+
+/// Whether a name made by the tests' `unique_name`
+/// (`socklb-test-<label>-<pid>-<n>`) belongs to a process that is gone.
+fn is_leftover(name: &str) -> bool {
+    if !name.starts_with("socklb-test-") {
+        return false;
+    }
+    let mut parts = name.rsplit('-');
+    let _serial = parts.next();
+    match parts.next().and_then(|pid| pid.parse::<u32>().ok()) {
+        Some(pid) => !Path::new(&format!("/proc/{pid}")).exists(),
+        None => true,
+    }
+}
+
+/// Whether no process runs in a named network namespace.
+fn namespace_is_empty(name: &str) -> bool {
+    Command::new("ip")
+        .args(["netns", "pids", name])
+        .output()
+        .is_ok_and(|output| output.status.success() && output.stdout.trim_ascii().is_empty())
 }
 
 /// Removes a cgroup directory and its children, deepest first.

@@ -30,8 +30,21 @@ fn vip() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], free_port()))
 }
 
-fn metrics_addr() -> SocketAddr {
-    SocketAddr::from(([127, 0, 0, 1], free_port()))
+/// A daemon in `cgroup` that follows `default/kubernetes` through `api`
+/// with metrics on; its VIP and metrics address.
+fn start_following(
+    label: &str,
+    cgroup: &Cgroup,
+    api: &KubeApi,
+    extra: &[&str],
+) -> (Daemon, SocketAddr, SocketAddr) {
+    let vip = vip();
+    let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let metrics_flag = metrics.to_string();
+    let mut flags = vec!["--metrics-addr", &metrics_flag];
+    flags.extend_from_slice(extra);
+    let daemon = Daemon::start(label, &api.follow_args(&cgroup.path, vip, &flags));
+    (daemon, vip, metrics)
 }
 
 /// `count` backends on one port (a slice has one port for all its
@@ -111,13 +124,7 @@ fn a_foreign_endpointslice_cannot_redirect_the_apiserver_traffic() {
     );
     let controller = ready_slice(port, &ips(&evil[1..])).managed_by(ENDPOINTSLICE_CONTROLLER);
     api.put_slice("default", "kubernetes-abcde", &controller);
-    let vip = vip();
-    let metrics = metrics_addr();
-    let metrics_flag = metrics.to_string();
-    let mut daemon = Daemon::start(
-        "hostile-manager",
-        &api.follow_args(&cgroup.path, vip, &["--metrics-addr", &metrics_flag]),
-    );
+    let (mut daemon, vip, metrics) = start_following("hostile-manager", &cgroup, &api, &[]);
     daemon.wait_health(&[good[0].addr], true, LIMIT);
     let refused = r#"EndpointSlice default/evil is managed by "evil-controller""#;
     assert!(daemon.log_shows(refused, LIMIT), "{}", daemon.log());
@@ -160,13 +167,7 @@ fn a_slice_of_1001_endpoints_is_refused_and_none_of_its_addresses_is_probed() {
     let good = backends("good", 71, 1, port);
     let api = KubeApi::start_on(171);
     api.put_slice("default", "kubernetes", &ready_slice(port, &ips(&good)));
-    let vip = vip();
-    let metrics = metrics_addr();
-    let metrics_flag = metrics.to_string();
-    let mut daemon = Daemon::start(
-        "hostile-cap",
-        &api.follow_args(&cgroup.path, vip, &["--metrics-addr", &metrics_flag]),
-    );
+    let (mut daemon, vip, metrics) = start_following("hostile-cap", &cgroup, &api, &[]);
     daemon.wait_health(&[good[0].addr], true, LIMIT);
 
     // The apiserver's slice itself becomes 1,001 attacker-chosen addresses
@@ -232,22 +233,12 @@ fn one_huge_or_invalid_slice_is_refused_alone_and_later_changes_apply() {
     let invalid =
         ready_slice(port, &[IpAddr::from([0, 0, 0, 0])]).managed_by(ENDPOINTSLICE_CONTROLLER);
     api.put_slice("default", "kubernetes-invalid", &invalid);
-    let vip = vip();
-    let metrics = metrics_addr();
-    let metrics_flag = metrics.to_string();
     let managers = format!("@apiserver,{ENDPOINTSLICE_CONTROLLER}");
-    let mut daemon = Daemon::start(
+    let (mut daemon, vip, metrics) = start_following(
         "hostile-huge",
-        &api.follow_args(
-            &cgroup.path,
-            vip,
-            &[
-                "--metrics-addr",
-                &metrics_flag,
-                "--endpointslice-managers",
-                &managers,
-            ],
-        ),
+        &cgroup,
+        &api,
+        &["--endpointslice-managers", &managers],
     );
     daemon.wait_health(&[servers[0].addr], true, LIMIT);
     assert!(daemon.log_shows(
@@ -389,6 +380,9 @@ fn a_watch_line_or_a_list_that_never_ends_costs_a_bounded_read_not_the_daemon() 
         &[],
     );
     daemon.wait_health(&[servers[0].addr], true, LIMIT);
+    // A watch that has delivered something (a bookmark), so that its end
+    // below is a resume, not a watch that ended at once.
+    api.wait_stats("a bookmark", LIMIT, |stats| stats.bookmarks_sent >= 1);
     let settled = memory.read_u64("memory.usage_in_bytes");
     memory.write("memory.max_usage_in_bytes", "0");
 

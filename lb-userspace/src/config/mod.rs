@@ -381,32 +381,7 @@ impl fmt::Display for Config {
                     ),
                 }
             )?;
-            if let Some(path) = &service.discovery.k3s_state {
-                writeln!(f, "  discovery: k3s state file {}", path.display())?;
-            }
-            if let Some(slices) = &service.discovery.endpoint_slices {
-                let managers: Vec<String> =
-                    slices.managers.iter().map(ToString::to_string).collect();
-                writeln!(
-                    f,
-                    "  discovery: EndpointSlices of {}/{}, port {}, written by {}, kubeconfig {}",
-                    slices.namespace,
-                    slices.service,
-                    slices.port,
-                    managers.join(" or "),
-                    slices
-                        .kubeconfig
-                        .as_ref()
-                        .map_or("inferred".to_string(), |path| path.display().to_string())
-                )?;
-            }
-            if service.discovery.is_dynamic() {
-                writeln!(
-                    f,
-                    "  discovery: at most {} backends",
-                    service.discovery.max_backends
-                )?;
-            }
+            write_discovery(f, &service.discovery)?;
             for backend in &service.backends {
                 let role = match backend.role {
                     BackendRole::Normal => "",
@@ -424,6 +399,36 @@ impl fmt::Display for Config {
         }
         Ok(())
     }
+}
+
+/// The discovery lines of `check-config`.
+fn write_discovery(f: &mut fmt::Formatter<'_>, discovery: &Discovery) -> fmt::Result {
+    if let Some(path) = &discovery.k3s_state {
+        writeln!(f, "  discovery: k3s state file {}", path.display())?;
+    }
+    if let Some(slices) = &discovery.endpoint_slices {
+        let managers: Vec<String> = slices.managers.iter().map(ToString::to_string).collect();
+        writeln!(
+            f,
+            "  discovery: EndpointSlices of {}/{}, port {}, written by {}, kubeconfig {}",
+            slices.namespace,
+            slices.service,
+            slices.port,
+            managers.join(" or "),
+            slices
+                .kubeconfig
+                .as_ref()
+                .map_or("inferred".to_string(), |path| path.display().to_string())
+        )?;
+    }
+    if discovery.is_dynamic() {
+        writeln!(
+            f,
+            "  discovery: at most {} backends",
+            discovery.max_backends
+        )?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -32,6 +32,21 @@ impl AcceptErrors {
         }
     }
 
+    /// The connection `accept()` gave, or None once the pause its error
+    /// asks for is over.
+    pub async fn take<T>(&mut self, accepted: io::Result<T>) -> Option<T> {
+        match accepted {
+            Ok(connection) => {
+                self.accepted();
+                Some(connection)
+            }
+            Err(error) => {
+                tokio::time::sleep(self.pause_after(&error)).await;
+                None
+            }
+        }
+    }
+
     /// After a failed `accept()`: how long to wait before the next one.
     pub fn pause_after(&mut self, error: &io::Error) -> Duration {
         if is_one_connections(error) {

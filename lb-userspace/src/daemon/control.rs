@@ -109,15 +109,8 @@ pub fn serve(path: &Path, requests: mpsc::Sender<Incoming>) -> std::io::Result<(
         let mut errors = AcceptErrors::new("control socket");
         // Runs until the daemon's loop drops `requests`.
         loop {
-            let stream = match listener.accept().await {
-                Ok((stream, _)) => {
-                    errors.accepted();
-                    stream
-                }
-                Err(error) => {
-                    tokio::time::sleep(errors.pause_after(&error)).await;
-                    continue;
-                }
+            let Some((stream, _)) = errors.take(listener.accept().await).await else {
+                continue;
             };
             let allowed = stream
                 .peer_cred()

@@ -381,15 +381,8 @@ async fn accept_loop(
     let mut open = OpenConnections::default();
     let mut errors = AcceptErrors::new("metrics");
     loop {
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => {
-                errors.accepted();
-                stream
-            }
-            Err(error) => {
-                tokio::time::sleep(errors.pause_after(&error)).await;
-                continue;
-            }
+        let Some((stream, _)) = errors.take(listener.accept().await).await else {
+            continue;
         };
         if !open.make_room() {
             // Every place is taken by a request being answered: this one

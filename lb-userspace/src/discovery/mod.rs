@@ -329,43 +329,7 @@ pub fn effective_config(
             waiting.push(service.name.clone());
             continue;
         };
-        let mut backends: Vec<Backend> = set
-            .iter()
-            .filter(|found| {
-                let is_vip = vips.contains(&found.addr);
-                if is_vip {
-                    tracing::warn!(
-                        "{}: discovery lists {}, a VIP of socklb; left out (it would loop)",
-                        service.name,
-                        found.addr
-                    );
-                }
-                !is_vip
-            })
-            .filter(|found| {
-                service
-                    .vips
-                    .iter()
-                    .any(|vip| vip.is_ipv4() == found.addr.is_ipv4())
-            })
-            .map(|found| {
-                service
-                    .backends
-                    .iter()
-                    .find(|backend| backend.addr == found.addr)
-                    .cloned()
-                    .unwrap_or(Backend {
-                        addr: found.addr,
-                        weight: 1,
-                        role: if found.standby {
-                            BackendRole::Standby
-                        } else {
-                            BackendRole::Normal
-                        },
-                        drain: false,
-                    })
-            })
-            .collect();
+        let mut backends = discovered_backends(service, set, &vips);
         // A set of standbys only (a state file that lists no server but
         // its default one) still has to serve.
         if backends
@@ -391,6 +355,53 @@ pub fn effective_config(
         });
     }
     (Config { services }, waiting)
+}
+
+/// The backends of `service` for a discovered `set`: those of an address
+/// family it has a VIP for, and not a VIP (they would be redirected
+/// again). A backend listed statically keeps its weight, role and drain;
+/// one found only by discovery has weight 1.
+fn discovered_backends(
+    service: &Service,
+    set: &BackendSet,
+    vips: &BTreeSet<SocketAddr>,
+) -> Vec<Backend> {
+    set.iter()
+        .filter(|found| {
+            let is_vip = vips.contains(&found.addr);
+            if is_vip {
+                tracing::warn!(
+                    "{}: discovery lists {}, a VIP of socklb; left out (it would loop)",
+                    service.name,
+                    found.addr
+                );
+            }
+            !is_vip
+        })
+        .filter(|found| {
+            service
+                .vips
+                .iter()
+                .any(|vip| vip.is_ipv4() == found.addr.is_ipv4())
+        })
+        .map(|found| {
+            service
+                .backends
+                .iter()
+                .find(|backend| backend.addr == found.addr)
+                .cloned()
+                .unwrap_or(Backend {
+                    addr: found.addr,
+                    weight: 1,
+                    role: if found.standby {
+                        BackendRole::Standby
+                    } else {
+                        BackendRole::Normal
+                    },
+                    drain: false,
+                })
+        })
+        .collect()
 }
 
 /// Whether a file event can change what the file says: not a read (our

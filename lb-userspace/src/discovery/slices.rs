@@ -25,7 +25,10 @@ use std::{
     time::Duration,
 };
 
-use k8s_openapi::{api::discovery::v1::EndpointSlice, apimachinery::pkg::apis::meta::v1::Time};
+use k8s_openapi::{
+    api::discovery::v1::{Endpoint, EndpointSlice},
+    apimachinery::pkg::apis::meta::v1::Time,
+};
 use kube::{
     Client,
     config::{KubeConfigOptions, Kubeconfig},
@@ -69,7 +72,7 @@ const QUICK_END: Duration = Duration::from_secs(1);
 /// `ready` condition is absent counts as ready (the API's rule). A slice
 /// no API server would serve is refused, saying why.
 pub fn ready_backends(slice: &EndpointSlice, spec: &SliceSource) -> Result<BackendSet, Refusal> {
-    let refuse = |kind, why: String| Refusal {
+    let refuse = |(kind, why): (ProblemKind, String)| Refusal {
         kind,
         why: format!(
             "EndpointSlice {} {why}; refused, the other slices apply",
@@ -80,78 +83,95 @@ pub fn ready_backends(slice: &EndpointSlice, spec: &SliceSource) -> Result<Backe
         "IPv4" => true,
         "IPv6" => false,
         other => {
-            return Err(refuse(
+            return Err(refuse((
                 ProblemKind::Invalid,
                 format!(
                     "has addressType \"{}\"; socklb takes IPv4 and IPv6",
                     printable(other)
                 ),
-            ));
+            )));
         }
     };
     if slice.endpoints.len() > MAX_ENDPOINTS {
-        return Err(refuse(
+        return Err(refuse((
             ProblemKind::Oversized,
             format!(
                 "has {} endpoints; the API allows {MAX_ENDPOINTS}",
                 slice.endpoints.len()
             ),
-        ));
+        )));
     }
-    let port = slice
-        .ports
-        .iter()
-        .flatten()
-        .find(|port| port.name.as_deref() == Some(spec.port.as_str()))
-        .and_then(|port| port.port)
-        .and_then(|port| u16::try_from(port).ok())
-        .filter(|port| *port != 0);
+    let port = named_port(slice, &spec.port);
     let mut set = BackendSet::new();
     for endpoint in &slice.endpoints {
-        if endpoint.addresses.len() > MAX_ADDRESSES {
-            return Err(refuse(
-                ProblemKind::Oversized,
-                format!(
-                    "has an endpoint of {} addresses; the API allows {MAX_ADDRESSES}",
-                    endpoint.addresses.len()
-                ),
-            ));
-        }
-        for address in &endpoint.addresses {
-            let ip = usable_ip(address, v4).ok_or_else(|| {
-                refuse(
-                    ProblemKind::Invalid,
-                    format!(
-                        "lists \"{}\", not a usable {} address",
-                        printable(address),
-                        if v4 { "IPv4" } else { "IPv6" }
-                    ),
-                )
-            })?;
-            let ready = endpoint
-                .conditions
-                .as_ref()
-                .and_then(|conditions| conditions.ready)
-                .unwrap_or(true);
-            if let (true, Some(port)) = (ready, port) {
-                set.insert(Found {
-                    addr: SocketAddr::new(ip, port),
-                    standby: false,
-                });
-            }
-        }
+        set.extend(endpoint_backends(endpoint, v4, port).map_err(refuse)?);
     }
     if set.len() > spec.max_backends {
-        return Err(refuse(
+        return Err(refuse((
             ProblemKind::Oversized,
             format!(
                 "gives {} backends, more than max-discovered-backends ({})",
                 set.len(),
                 spec.max_backends
             ),
-        ));
+        )));
     }
     Ok(set)
+}
+
+/// The number of the slice's port called `name`, if it has one.
+fn named_port(slice: &EndpointSlice, name: &str) -> Option<u16> {
+    slice
+        .ports
+        .iter()
+        .flatten()
+        .find(|port| port.name.as_deref() == Some(name))
+        .and_then(|port| port.port)
+        .and_then(|port| u16::try_from(port).ok())
+        .filter(|port| *port != 0)
+}
+
+/// The backends one endpoint gives (none when it is not ready or the
+/// slice lacks the port), or what is wrong with it.
+fn endpoint_backends(
+    endpoint: &Endpoint,
+    v4: bool,
+    port: Option<u16>,
+) -> Result<Vec<Found>, (ProblemKind, String)> {
+    if endpoint.addresses.len() > MAX_ADDRESSES {
+        return Err((
+            ProblemKind::Oversized,
+            format!(
+                "has an endpoint of {} addresses; the API allows {MAX_ADDRESSES}",
+                endpoint.addresses.len()
+            ),
+        ));
+    }
+    let ready = endpoint
+        .conditions
+        .as_ref()
+        .and_then(|conditions| conditions.ready)
+        .unwrap_or(true);
+    let mut found = Vec::new();
+    for address in &endpoint.addresses {
+        let ip = usable_ip(address, v4).ok_or_else(|| {
+            (
+                ProblemKind::Invalid,
+                format!(
+                    "lists \"{}\", not a usable {} address",
+                    printable(address),
+                    if v4 { "IPv4" } else { "IPv6" }
+                ),
+            )
+        })?;
+        if let (true, Some(port)) = (ready, port) {
+            found.push(Found {
+                addr: SocketAddr::new(ip, port),
+                standby: false,
+            });
+        }
+    }
+    Ok(found)
 }
 
 /// An address of the slice's family that a connect can go to: not
@@ -387,23 +407,21 @@ impl Backoff {
     }
 }
 
-/// Sends one watcher's reports: a set or a failure only when it differs
-/// from the last one sent, each refusal as it comes.
+/// Sends one watcher's reports. A failure is sent when it differs from
+/// the one said last; a set when it changed, or, while a failure stands,
+/// once the source proves healthy (a watch delivered something): a list
+/// that succeeds between two watches that fail is no recovery.
 struct Reporter {
     service: String,
     events: mpsc::Sender<SourceEvent>,
-    last: Option<Report>,
+    last_set: Option<BackendSet>,
+    /// The failure said, until a recovery is.
+    failing: Option<String>,
 }
 
 impl Reporter {
     /// False when the daemon is gone.
     async fn send(&mut self, report: Report) -> bool {
-        if matches!(report, Report::Set(_) | Report::Failed(_)) {
-            if self.last.as_ref() == Some(&report) {
-                return true;
-            }
-            self.last = Some(report.clone());
-        }
         let event = SourceEvent {
             service: self.service.clone(),
             source: Source::EndpointSlices,
@@ -412,13 +430,28 @@ impl Reporter {
         self.events.send(event).await.is_ok()
     }
 
-    /// The refusals, then the set.
-    async fn send_all(&mut self, refusals: Vec<Refusal>, set: BackendSet) -> bool {
+    async fn failed(&mut self, why: String) -> bool {
+        if self.failing.as_ref() == Some(&why) {
+            return true;
+        }
+        self.failing = Some(why.clone());
+        self.send(Report::Failed(why)).await
+    }
+
+    /// The refusals, then the set (see the type's rules; `healthy`: a
+    /// watch delivered an event).
+    async fn send_all(&mut self, refusals: Vec<Refusal>, set: BackendSet, healthy: bool) -> bool {
         for refusal in refusals {
             if !self.send(Report::Refused(refusal)).await {
                 return false;
             }
         }
+        let changed = self.last_set.as_ref() != Some(&set);
+        if !changed && (self.failing.is_none() || !healthy) {
+            return true;
+        }
+        self.failing = None;
+        self.last_set = Some(set.clone());
         self.send(Report::Set(set)).await
     }
 }
@@ -457,7 +490,8 @@ pub async fn follow(service: String, spec: SliceSource, events: mpsc::Sender<Sou
     let mut reporter = Reporter {
         service: service.clone(),
         events,
-        last: None,
+        last_set: None,
+        failing: None,
     };
     let mut slices = SliceSet::new(spec.clone());
     let mut backoff = Backoff::new();
@@ -470,7 +504,7 @@ pub async fn follow(service: String, spec: SliceSource, events: mpsc::Sender<Sou
             SessionEnd::Expired => true,
             SessionEnd::Failed(why) => {
                 debug!("{service}: EndpointSlices: {why}");
-                if !reporter.send(Report::Failed(why)).await {
+                if !reporter.failed(why).await {
                     return;
                 }
                 false
@@ -502,7 +536,7 @@ async fn session(spec: &SliceSource, slices: &mut SliceSet, reporter: &mut Repor
     };
     let (set, left_out) = slices.settle();
     refusals.extend(left_out);
-    if !reporter.send_all(refusals, set).await {
+    if !reporter.send_all(refusals, set, false).await {
         return SessionEnd::Stopped;
     }
     // Each round is one watch; the server ends each after timeoutSeconds,
@@ -533,14 +567,14 @@ async fn session(spec: &SliceSource, slices: &mut SliceSet, reporter: &mut Repor
                 }
                 WatchEvent::Bookmark(bookmark) => {
                     version = bookmark.metadata.resource_version;
-                    continue;
+                    None
                 }
                 // Turned into an error by the decoder.
-                WatchEvent::Error(_) => continue,
+                WatchEvent::Error(_) => None,
             };
             let (set, mut refusals) = slices.settle();
             refusals.splice(0..0, refusal);
-            if !reporter.send_all(refusals, set).await {
+            if !reporter.send_all(refusals, set, true).await {
                 return SessionEnd::Stopped;
             }
         }

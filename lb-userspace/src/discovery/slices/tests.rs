@@ -398,3 +398,41 @@ fn the_backoff_holds_across_list_and_watch_and_resets_after_a_healthy_session() 
     assert_eq!(backoff.pause(HEALTHY_AFTER, true), Duration::ZERO);
     assert!(backoff.pause(quick, false) <= Duration::from_millis(1200));
 }
+
+#[tokio::test]
+async fn a_list_between_two_failing_watches_is_no_recovery() {
+    let (events, mut received) = mpsc::channel(16);
+    let mut reporter = Reporter {
+        service: "api".into(),
+        events,
+        last_set: None,
+        failing: None,
+    };
+    let set: BackendSet = [Found {
+        addr: "10.0.0.1:6443".parse().unwrap(),
+        standby: false,
+    }]
+    .into();
+    let failure = "the watch ended at once, with no event".to_string();
+    assert!(reporter.send_all(Vec::new(), set.clone(), false).await);
+    assert!(reporter.failed(failure.clone()).await);
+    // The next session lists the same set, and its watch fails the same.
+    assert!(reporter.send_all(Vec::new(), set.clone(), false).await);
+    assert!(reporter.failed(failure.clone()).await);
+    // A watch that delivers something: the recovery is said.
+    assert!(reporter.send_all(Vec::new(), set.clone(), true).await);
+    assert!(reporter.send_all(Vec::new(), set.clone(), true).await);
+    drop(reporter);
+    let mut reports = Vec::new();
+    while let Some(event) = received.recv().await {
+        reports.push(event.report);
+    }
+    assert_eq!(
+        reports,
+        [
+            Report::Set(set.clone()),
+            Report::Failed(failure),
+            Report::Set(set)
+        ]
+    );
+}

@@ -64,8 +64,9 @@ const FIRST_BACKOFF: Duration = Duration::from_secs(1);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// A session that stayed up this long was healthy: the backoff starts over.
 const HEALTHY_AFTER: Duration = Duration::from_secs(60);
-/// A watch that the server ends sooner than this with nothing in it
-/// ended at once: a failure, not a resume.
+/// A watch that the server ends sooner than this ended at once: a
+/// failure, not a resume (so that a server that ends every watch at once,
+/// with or without an event, gets the backoff, not a request loop).
 const QUICK_END: Duration = Duration::from_secs(1);
 
 /// The ready endpoints of one slice, on the named port. An endpoint whose
@@ -547,14 +548,12 @@ async fn session(spec: &SliceSource, slices: &mut SliceSet, reporter: &mut Repor
             Err(error) => return error.into(),
         };
         let started = Instant::now();
-        let mut received = false;
         loop {
             let event = match watch.next().await {
                 Ok(Some(event)) => event,
                 Ok(None) => break,
                 Err(error) => return error.into(),
             };
-            received = true;
             let refusal = match event {
                 WatchEvent::Added(slice) | WatchEvent::Modified(slice) => {
                     version = slice.metadata.resource_version.clone().unwrap_or(version);
@@ -578,8 +577,10 @@ async fn session(spec: &SliceSource, slices: &mut SliceSet, reporter: &mut Repor
                 return SessionEnd::Stopped;
             }
         }
-        if !received && started.elapsed() < QUICK_END {
-            return SessionEnd::Failed("the watch ended at once, with no event".into());
+        if started.elapsed() < QUICK_END {
+            return SessionEnd::Failed(format!(
+                "the watch ended within {QUICK_END:?} of its start"
+            ));
         }
     }
 }

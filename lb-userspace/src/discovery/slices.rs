@@ -64,9 +64,10 @@ const FIRST_BACKOFF: Duration = Duration::from_secs(1);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 /// A session that stayed up this long was healthy: the backoff starts over.
 const HEALTHY_AFTER: Duration = Duration::from_secs(60);
-/// A watch that the server ends sooner than this ended at once: a
-/// failure, not a resume (so that a server that ends every watch at once,
-/// with or without an event, gets the backoff, not a request loop).
+/// A watch that the server ends sooner than this ended at once. It is a
+/// failure, not a resume, when it delivered nothing, or when the watch
+/// before it ended at once too: a server that ends every watch at once
+/// gets the backoff, not a loop of requests.
 const QUICK_END: Duration = Duration::from_secs(1);
 
 /// The ready endpoints of one slice, on the named port. An endpoint whose
@@ -541,19 +542,22 @@ async fn session(spec: &SliceSource, slices: &mut SliceSet, reporter: &mut Repor
         return SessionEnd::Stopped;
     }
     // Each round is one watch; the server ends each after timeoutSeconds,
-    // and one that ends at once ends the session.
+    // and watches that end at once end the session (see QUICK_END).
+    let mut ended_at_once = false;
     loop {
         let mut watch = match api.watch(&version).await {
             Ok(watch) => watch,
             Err(error) => return error.into(),
         };
         let started = Instant::now();
+        let mut received = false;
         loop {
             let event = match watch.next().await {
                 Ok(Some(event)) => event,
                 Ok(None) => break,
                 Err(error) => return error.into(),
             };
+            received = true;
             let refusal = match event {
                 WatchEvent::Added(slice) | WatchEvent::Modified(slice) => {
                     version = slice.metadata.resource_version.clone().unwrap_or(version);
@@ -577,11 +581,13 @@ async fn session(spec: &SliceSource, slices: &mut SliceSet, reporter: &mut Repor
                 return SessionEnd::Stopped;
             }
         }
-        if started.elapsed() < QUICK_END {
+        let at_once = started.elapsed() < QUICK_END;
+        if at_once && (!received || ended_at_once) {
             return SessionEnd::Failed(format!(
                 "the watch ended within {QUICK_END:?} of its start"
             ));
         }
+        ended_at_once = at_once;
     }
 }
 

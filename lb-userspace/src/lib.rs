@@ -14,3 +14,4 @@ pub mod planner;
 pub mod privileges;
 pub mod sockets;
 pub mod status;
+pub mod trust;

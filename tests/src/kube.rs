@@ -36,6 +36,11 @@ use serde::{Deserialize, Serialize};
 
 /// The label that ties an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+/// The label that names who manages a slice. The apiserver writes its own
+/// slice of `default/kubernetes` without it; the EndpointSlice controller
+/// writes [`ENDPOINTSLICE_CONTROLLER`].
+pub const MANAGED_BY_LABEL: &str = "endpointslice.kubernetes.io/managed-by";
+pub const ENDPOINTSLICE_CONTROLLER: &str = "endpointslice-controller.k8s.io";
 
 /// Files the server writes in its directory.
 pub mod files {
@@ -66,7 +71,8 @@ pub struct SliceSpec {
     pub ports: Vec<SlicePort>,
     #[serde(default)]
     pub endpoints: Vec<SliceEndpoint>,
-    /// Labels besides the service name and managed-by ones.
+    /// Labels besides the service name, the managed-by label among them
+    /// (none by default, as on the apiserver's own slice).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub labels: BTreeMap<String, String>,
 }
@@ -132,6 +138,17 @@ impl SliceSpec {
         self
     }
 
+    /// Sets a label.
+    pub fn with_label(mut self, key: &str, value: &str) -> Self {
+        self.labels.insert(key.to_string(), value.to_string());
+        self
+    }
+
+    /// Labels the slice as managed by `manager`.
+    pub fn managed_by(self, manager: &str) -> Self {
+        self.with_label(MANAGED_BY_LABEL, manager)
+    }
+
     /// Adds an endpoint with one address (serving as it is ready, not
     /// terminating).
     pub fn with_endpoint(mut self, address: &str, ready: bool) -> Self {
@@ -144,6 +161,22 @@ impl SliceSpec {
         });
         self
     }
+}
+
+/// The slice the apiserver writes for `default/kubernetes`: named
+/// `kubernetes`, no managed-by label, each address ready or not, all on
+/// the port named https.
+pub fn kubernetes_slice(port: u16, endpoints: &[(IpAddr, bool)]) -> SliceSpec {
+    endpoints.iter().fold(
+        SliceSpec::new("kubernetes", "IPv4").with_port("https", port),
+        |spec, (ip, ready)| spec.with_endpoint(&ip.to_string(), *ready),
+    )
+}
+
+/// [`kubernetes_slice`] with every address ready.
+pub fn ready_slice(port: u16, ips: &[IpAddr]) -> SliceSpec {
+    let endpoints: Vec<(IpAddr, bool)> = ips.iter().map(|ip| (*ip, true)).collect();
+    kubernetes_slice(port, &endpoints)
 }
 
 /// The admin API's `GET /stats`: counters since the server started.
@@ -164,6 +197,46 @@ pub struct KubeApiStats {
     pub handshake_failures: u64,
     /// The current global resource version.
     pub resource_version: u64,
+    /// Watches and lists answered with a body that never ends (see
+    /// [`Faults`]), and the bytes of such bodies handed to the connection.
+    pub endless_answers: u64,
+    pub endless_bytes_sent: u64,
+    /// Watch requests answered with an error or ended at once (see
+    /// [`Faults`]).
+    pub failed_watches: u64,
+}
+
+/// The admin API's `PUT /faults`: how the server misbehaves from now on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Faults {
+    #[serde(default)]
+    pub watch: WatchFault,
+    #[serde(default)]
+    pub list: ListFault,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WatchFault {
+    #[default]
+    None,
+    /// Every watch is answered 500 with a Status.
+    Error,
+    /// Every watch is answered 200 and ends at once, with no event.
+    Close,
+    /// Every watch streams one line that never ends, as fast as the
+    /// client reads.
+    EndlessLine,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ListFault {
+    #[default]
+    None,
+    /// Every list is a body that never ends.
+    Endless,
 }
 
 /// What the admin API answers to a change of a slice.
@@ -318,6 +391,30 @@ impl KubeApi {
         api
     }
 
+    /// A server on 127.0.0.LAST, an address of its own: a restarted server
+    /// binds its port again, which an ephemeral port of the tests' clients
+    /// (all from 127.0.0.1) can never hold.
+    pub fn start_on(last: u8) -> Self {
+        Self::start_with(&KubeApiOptions {
+            ip: Some(IpAddr::from([127, 0, 0, last])),
+            ..KubeApiOptions::default()
+        })
+    }
+
+    /// Flags of a one-service daemon in `cgroup` that follows
+    /// `default/kubernetes` through this server, VIP `vip`.
+    pub fn follow_args(&self, cgroup: &Path, vip: SocketAddr, extra: &[&str]) -> Vec<String> {
+        let kubeconfig = self.kubeconfig().display().to_string();
+        let mut flags = vec![
+            "--endpointslices",
+            "default/kubernetes",
+            "--kubeconfig",
+            &kubeconfig,
+        ];
+        flags.extend_from_slice(extra);
+        crate::service_args(cgroup, &[vip], &[], &flags)
+    }
+
     /// The server's directory (certificates, kubeconfig, log).
     pub fn dir(&self) -> &Path {
         &self.dir
@@ -427,6 +524,12 @@ impl KubeApi {
         self.admin_json("POST", "/compact", None)["resource_version"]
             .as_u64()
             .expect("resource_version")
+    }
+
+    /// Makes the server misbehave (or behave again, with the default).
+    pub fn set_faults(&self, faults: &Faults) {
+        let body = serde_json::to_string(faults).expect("faults JSON");
+        self.admin_json("PUT", "/faults", Some(&body));
     }
 
     /// Ends every open watch stream; returns how many there were.

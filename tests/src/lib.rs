@@ -705,6 +705,14 @@ impl Daemon {
         std::fs::read_to_string(&self.log_path).unwrap_or_default()
     }
 
+    /// How many lines of the log so far contain `text`.
+    pub fn log_count(&self, text: &str) -> usize {
+        self.log()
+            .lines()
+            .filter(|line| line.contains(text))
+            .count()
+    }
+
     /// Whether the log shows `text` within `limit` (the daemon may still be
     /// writing the line about what the test just saw happen).
     pub fn log_shows(&self, text: &str, limit: Duration) -> bool {
@@ -887,6 +895,32 @@ impl Daemon {
     }
 }
 
+/// Whether a status report lists the backend `addr`.
+pub fn listed(status: &serde_json::Value, addr: SocketAddr) -> bool {
+    backend_field(status, &addr.to_string(), "addr").is_some()
+}
+
+/// The source the first service's table follows ("endpointslices",
+/// "k3s-state", "persisted", "static"), or "none".
+pub fn following(status: &serde_json::Value) -> String {
+    status["daemon_info"]["services"][0]["following"]
+        .as_str()
+        .unwrap_or("none")
+        .to_string()
+}
+
+/// `count` connects through the VIP from `cgroup`: how many each backend
+/// served. Panics if one fails.
+pub fn served(vip: SocketAddr, cgroup: &Path, count: u32) -> BTreeMap<String, usize> {
+    let attempts = ClientRun::new(vip, Some(cgroup), count).run();
+    let served = spread(&attempts);
+    assert!(
+        !served.contains_key("error"),
+        "every connect served: {served:?}"
+    );
+    served
+}
+
 /// A field of the backend with this address in a status report.
 pub fn backend_field(
     status: &serde_json::Value,
@@ -955,16 +989,44 @@ pub struct ConnClient {
 
 impl ConnClient {
     fn command(mode: &str, vip: SocketAddr, cgroup: &Path, count: u32) -> Command {
+        let mut command = Self::command_outside(mode, vip, count);
+        command.arg("--cgroup").arg(cgroup);
+        command
+    }
+
+    fn command_outside(mode: &str, addr: SocketAddr, count: u32) -> Command {
         let mut command = Command::new(lbclient_bin().with_file_name("connclient"));
         command
             .arg(mode)
-            .args(["--addr", &vip.to_string(), "--count", &count.to_string()])
-            .arg("--cgroup")
-            .arg(cgroup)
+            .args(["--addr", &addr.to_string(), "--count", &count.to_string()])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         command
+    }
+
+    /// A hostile local user (uid 65534, no cgroup) with `count`
+    /// connections to `addr` that send `send` (if anything) and then
+    /// nothing, each opened again as soon as the server closes it, until
+    /// `release` (at most `limit`).
+    pub fn hold_as_nobody(
+        addr: SocketAddr,
+        count: u32,
+        send: Option<&str>,
+        limit: Duration,
+    ) -> Self {
+        let mut command = Self::command_outside("--hold", addr, count);
+        command
+            .args(["--hold-ms", &limit.as_millis().to_string()])
+            .args(["--until-stdin-closes", "--reconnect", "--nobody"])
+            .stdin(Stdio::piped());
+        if let Some(text) = send {
+            command.args(["--send", text]);
+        }
+        let child = command
+            .spawn()
+            .unwrap_or_else(|error| panic!("starting connclient: {error}"));
+        Self { child: Some(child) }
     }
 
     /// Runs the hostile client to completion (as uid 65534): `count`

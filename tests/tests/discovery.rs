@@ -7,14 +7,13 @@
 
 use std::{
     net::{IpAddr, SocketAddr},
-    path::Path,
     time::{Duration, Instant},
 };
 
 use socklb_tests::{
-    Backend, Cgroup, ClientRun, ConnClient, Daemon, backend_field, free_port,
-    kube::{KubeApi, KubeApiOptions, SliceSpec},
-    record_figures, require_root, scrape_metrics, service_args, spread, until_served_by,
+    Backend, Cgroup, ConnClient, Daemon, backend_field, following, free_port,
+    kube::{KubeApi, KubeApiOptions, SliceSpec, kubernetes_slice, ready_slice},
+    listed, record_figures, require_root, scrape_metrics, served, until_served_by,
 };
 
 /// How long the daemon may take to notice anything in these tests; the
@@ -25,21 +24,9 @@ fn vip() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], free_port()))
 }
 
-/// The slice of `default/kubernetes`: each address ready or not, all on
-/// the port named https.
-fn slice(port: u16, endpoints: &[(IpAddr, bool)]) -> SliceSpec {
-    endpoints.iter().fold(
-        SliceSpec::new("kubernetes", "IPv4").with_port("https", port),
-        |spec, (ip, ready)| spec.with_endpoint(&ip.to_string(), *ready),
-    )
-}
-
 fn ready(port: u16, backends: &[&Backend]) -> SliceSpec {
-    let endpoints: Vec<(IpAddr, bool)> = backends
-        .iter()
-        .map(|backend| (backend.addr.ip(), true))
-        .collect();
-    slice(port, &endpoints)
+    let ips: Vec<IpAddr> = backends.iter().map(|backend| backend.addr.ip()).collect();
+    ready_slice(port, &ips)
 }
 
 /// Three backends on one port (an EndpointSlice has one port for all its
@@ -60,71 +47,16 @@ fn backends_on_one_port(base: u8, holding: bool) -> (u16, Vec<Backend>) {
     (port, backends)
 }
 
-/// A test apiserver on 127.0.0.LAST, an address of its own: a restarted
-/// server binds its port again, which an ephemeral port of the tests'
-/// clients (all from 127.0.0.1) can never hold.
-fn api_at(last: u8) -> KubeApi {
-    KubeApi::start_with(&KubeApiOptions {
-        ip: Some(IpAddr::from([127, 0, 0, last])),
-        ..KubeApiOptions::default()
-    })
-}
-
-/// Flags of a one-service daemon that follows `default/kubernetes`.
-fn discovery_args(cgroup: &Path, vip: SocketAddr, api: &KubeApi, extra: &[&str]) -> Vec<String> {
-    let kubeconfig = api.kubeconfig().display().to_string();
-    let mut flags = vec![
-        "--endpointslices",
-        "default/kubernetes",
-        "--kubeconfig",
-        &kubeconfig,
-    ];
-    flags.extend_from_slice(extra);
-    service_args(cgroup, &[vip], &[], &flags)
-}
-
-fn listed(status: &serde_json::Value, addr: SocketAddr) -> bool {
-    backend_field(status, &addr.to_string(), "addr").is_some()
-}
-
-fn following(status: &serde_json::Value) -> String {
-    status["daemon_info"]["services"][0]["following"]
-        .as_str()
-        .unwrap_or("none")
-        .to_string()
-}
-
-/// `count` connects through the VIP: how many each backend served. Not one
-/// may fail.
-fn served(vip: SocketAddr, cgroup: &Path, count: u32) -> std::collections::BTreeMap<String, usize> {
-    let attempts = ClientRun::new(vip, Some(cgroup), count).run();
-    let served = spread(&attempts);
-    assert!(
-        !served.contains_key("error"),
-        "every connect served: {served:?}"
-    );
-    served
-}
-
-/// How many lines of the daemon's log contain `text`.
-fn log_count(daemon: &Daemon, text: &str) -> usize {
-    daemon
-        .log()
-        .lines()
-        .filter(|line| line.contains(text))
-        .count()
-}
-
 #[test]
 fn a_server_added_through_the_api_serves_within_1s_and_a_relist_after_410_follows() {
     require_root();
     let cgroup = Cgroup::new("disc-add");
     let (port, backends) = backends_on_one_port(41, false);
     let [b0, b1, b2] = [&backends[0], &backends[1], &backends[2]];
-    let api = api_at(141);
+    let api = KubeApi::start_on(141);
     api.put_slice("default", "kubernetes", &ready(port, &[b0, b1]));
     let vip = vip();
-    let mut daemon = Daemon::start("disc-add", &discovery_args(&cgroup.path, vip, &api, &[]));
+    let mut daemon = Daemon::start("disc-add", &api.follow_args(&cgroup.path, vip, &[]));
     daemon.wait_health(&[b0.addr, b1.addr], true, LIMIT);
     assert_eq!(following(&daemon.status().unwrap()), "endpointslices");
 
@@ -175,12 +107,12 @@ fn a_server_removed_through_the_api_is_drained() {
     let cgroup = Cgroup::new("disc-drain");
     let (port, backends) = backends_on_one_port(44, true);
     let [b0, b1] = [&backends[0], &backends[1]];
-    let api = api_at(144);
+    let api = KubeApi::start_on(144);
     api.put_slice("default", "kubernetes", &ready(port, &[b0, b1]));
     let vip = vip();
     let mut daemon = Daemon::start(
         "disc-drain",
-        &discovery_args(&cgroup.path, vip, &api, &["--close-on-failure", "true"]),
+        &api.follow_args(&cgroup.path, vip, &["--close-on-failure", "true"]),
     );
     daemon.wait_health(&[b0.addr, b1.addr], true, LIMIT);
 
@@ -226,10 +158,10 @@ fn the_api_unreachable_keeps_the_last_known_set() {
     let cgroup = Cgroup::new("disc-down");
     let (port, backends) = backends_on_one_port(47, false);
     let [b0, b1, b2] = [&backends[0], &backends[1], &backends[2]];
-    let mut api = api_at(147);
+    let mut api = KubeApi::start_on(147);
     api.put_slice("default", "kubernetes", &ready(port, &[b0, b1]));
     let vip = vip();
-    let mut daemon = Daemon::start("disc-down", &discovery_args(&cgroup.path, vip, &api, &[]));
+    let mut daemon = Daemon::start("disc-down", &api.follow_args(&cgroup.path, vip, &[]));
     daemon.wait_health(&[b0.addr, b1.addr], true, LIMIT);
 
     // The API goes away: the watch fails, and keeps failing on every retry.
@@ -253,7 +185,7 @@ fn the_api_unreachable_keeps_the_last_known_set() {
         "{status}"
     );
     assert_eq!(following(&status), "endpointslices", "{status}");
-    assert_eq!(log_count(&daemon, warning), 1, "{}", daemon.log());
+    assert_eq!(daemon.log_count(warning), 1, "{}", daemon.log());
 
     // The API comes back with a change: followed, and the recovery said.
     api.resume();
@@ -277,11 +209,11 @@ fn a_restart_while_the_api_is_down_uses_the_persisted_set() {
     let cgroup = Cgroup::new("disc-restart");
     let (port, backends) = backends_on_one_port(50, false);
     let [b0, b1, b2] = [&backends[0], &backends[1], &backends[2]];
-    let mut api = api_at(150);
+    let mut api = KubeApi::start_on(150);
     api.put_slice("default", "kubernetes", &ready(port, &[b0, b1]));
     let vip = vip();
     // A static backend seeds the service; the API overrides it.
-    let mut args = discovery_args(&cgroup.path, vip, &api, &[]);
+    let mut args = api.follow_args(&cgroup.path, vip, &[]);
     args.extend(["--backend".to_string(), b2.addr.to_string()]);
     let mut daemon = Daemon::start("disc-restart", &args);
     daemon.wait_for("the API's set", LIMIT, |status| {
@@ -320,21 +252,21 @@ fn a_slice_with_no_ready_endpoint_keeps_the_last_known_set_and_warns() {
     let cgroup = Cgroup::new("disc-unready");
     let (port, backends) = backends_on_one_port(53, false);
     let [b0, b1] = [&backends[0], &backends[1]];
-    let api = api_at(153);
+    let api = KubeApi::start_on(153);
     api.put_slice("default", "kubernetes", &ready(port, &[b0, b1]));
     let vip = vip();
     let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
     let metrics_flag = metrics.to_string();
     let mut daemon = Daemon::start(
         "disc-unready",
-        &discovery_args(&cgroup.path, vip, &api, &["--metrics-addr", &metrics_flag]),
+        &api.follow_args(&cgroup.path, vip, &["--metrics-addr", &metrics_flag]),
     );
     daemon.wait_health(&[b0.addr, b1.addr], true, LIMIT);
-    let problems = r#"socklb_discovery_problems_total{service="default",source="endpointslices"}"#;
+    let problems = r#"socklb_discovery_problems_total{service="default",source="endpointslices",reason="empty"}"#;
 
     // Every endpoint not ready (all apiservers restarting at once), then
     // the slice deleted: neither empties the table.
-    let unready = slice(port, &[(b0.addr.ip(), false), (b1.addr.ip(), false)]);
+    let unready = kubernetes_slice(port, &[(b0.addr.ip(), false), (b1.addr.ip(), false)]);
     api.put_slice("default", "kubernetes", &unready);
     assert!(daemon.log_shows("endpointslices lists no backend", LIMIT));
     api.delete_slice("default", "kubernetes");
@@ -359,7 +291,7 @@ fn a_slice_with_no_ready_endpoint_keeps_the_last_known_set_and_warns() {
         listed(&status, b0.addr) && listed(&status, b1.addr),
         "{status}"
     );
-    assert_eq!(log_count(&daemon, "endpointslices lists no backend"), 1);
+    assert_eq!(daemon.log_count("endpointslices lists no backend"), 1);
 
     // Ready again: followed, with the recovery said.
     api.put_slice("default", "kubernetes", &ready(port, &[b1]));
@@ -388,11 +320,11 @@ fn the_apiserver_is_reachable_only_through_socklbs_own_vip() {
     api.put_slice(
         "default",
         "kubernetes",
-        &slice(api.addr.port(), &[(api.addr.ip(), true)]),
+        &kubernetes_slice(api.addr.port(), &[(api.addr.ip(), true)]),
     );
     // The static backend seeds the table; the daemon runs in the cgroup,
     // so its own connects to the VIP are redirected by its own hook.
-    let mut args = discovery_args(&cgroup.path, vip, &api, &[]);
+    let mut args = api.follow_args(&cgroup.path, vip, &[]);
     args.extend(["--backend".to_string(), api.addr.to_string()]);
     let mut daemon = Daemon::start_inside("disc-vip", &args, &cgroup.path);
     daemon.wait_for("the list through the VIP", LIMIT, |status| {
@@ -415,7 +347,7 @@ fn the_apiserver_is_reachable_only_through_socklbs_own_vip() {
     api.put_slice(
         "default",
         "kubernetes",
-        &slice(
+        &kubernetes_slice(
             api.addr.port(),
             &[(api.addr.ip(), true), (other.addr.ip(), true)],
         ),

@@ -99,10 +99,10 @@ fn endpoint(address: &str, ready: bool, serving: bool, terminating: bool) -> Sli
     }
 }
 
-/// Labels every slice of service `kubernetes` carries.
+/// Labels every slice of service `kubernetes` carries: as on the
+/// apiserver's own slice, the service name and no managed-by label.
 fn kubernetes_labels() -> Value {
     json!({
-        "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io",
         SERVICE_NAME_LABEL: "kubernetes",
     })
 }

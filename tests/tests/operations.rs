@@ -11,7 +11,7 @@ use std::{
 };
 
 use socklb_tests::{
-    Backend, Cgroup, ClientRun, ConnClient, Daemon, TempDir, backend_field, free_port,
+    Backend, Cgroup, ClientRun, ConnClient, Daemon, TempDir, backend_field, free_port, listed,
     record_figures, require_root, scrape_metrics, service_args, spread, state_dir_of,
     until_served_by,
 };
@@ -56,10 +56,6 @@ fn generation(status: &serde_json::Value) -> u64 {
     status["daemon_info"]["config_generation"]
         .as_u64()
         .unwrap_or(0)
-}
-
-fn listed(status: &serde_json::Value, addr: SocketAddr) -> bool {
-    backend_field(status, &addr.to_string(), "addr").is_some()
 }
 
 /// `--config FILE --cgroup DIR`, then `extra`.

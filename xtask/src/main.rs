@@ -191,9 +191,16 @@ fn sweep_leftovers() {
             }
         }
     }
-    if let Ok(root) = socklb::cgroup::v2_root()
-        && let Ok(entries) = std::fs::read_dir(&root)
-    {
+    // The v2 hierarchy, and the v1 memory controller (hostile_sources.rs
+    // runs a daemon under a memory limit there).
+    let roots = [
+        socklb::cgroup::v2_root().ok(),
+        Some(PathBuf::from("/sys/fs/cgroup/memory")),
+    ];
+    for root in roots.into_iter().flatten() {
+        let Ok(entries) = std::fs::read_dir(&root) else {
+            continue;
+        };
         for entry in entries.flatten() {
             if is_leftover(&entry.file_name().to_string_lossy())
                 && remove_cgroup_tree(&entry.path()).is_err()

@@ -6,7 +6,7 @@
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
-use socklb::config::{RawBackend, RawHealth, RawService, RawStatuses, from_flags};
+use socklb::config::{RawBackend, RawHealth, RawNames, RawService, RawStatuses, from_flags};
 
 #[derive(Debug, Arbitrary)]
 struct Flags {
@@ -32,6 +32,8 @@ struct Flags {
     connect_failures: Option<i64>,
     endpointslices: Option<String>,
     endpointslice_port: Option<String>,
+    endpointslice_managers: Option<String>,
+    max_discovered_backends: Option<i64>,
     slow_start: Option<String>,
     rebalance: Option<bool>,
     rebalance_tolerance: Option<f64>,
@@ -75,6 +77,8 @@ fuzz_target!(|flags: Flags| {
         endpointslices: flags.endpointslices,
         endpointslice_port: flags.endpointslice_port,
         kubeconfig: None,
+        endpointslice_managers: flags.endpointslice_managers.map(RawNames::Text),
+        max_discovered_backends: flags.max_discovered_backends,
         slow_start: flags.slow_start,
         rebalance: flags.rebalance,
         rebalance_tolerance: flags.rebalance_tolerance,

@@ -2,7 +2,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use socklb::{
-    config::{self, RawBackend, RawHealth, RawService, RawStatuses},
+    config::{self, RawBackend, RawHealth, RawNames, RawService, RawStatuses},
     daemon::{self, RunOptions},
     dataplane::BpfLogLevel,
     discovery::persist::DEFAULT_STATE_DIR,
@@ -19,7 +19,8 @@ pub struct RunArgs {
         "vip", "backend", "name", "policy", "when_none_healthy", "all_netns", "close_on_failure", "health", "health_status", "health_host",
         "health_ca", "health_cert", "health_key", "health_server_name", "health_interval",
         "health_down_interval", "health_timeout", "rise", "fall", "connect_failures",
-        "k3s_state", "endpointslices", "endpointslice_port", "kubeconfig", "slow_start",
+        "k3s_state", "endpointslices", "endpointslice_port", "kubeconfig",
+        "endpointslice_managers", "max_discovered_backends", "slow_start",
         "rebalance", "rebalance_tolerance", "rebalance_after", "rebalance_rate", "accelerate",
     ])]
     config: Option<PathBuf>,
@@ -142,6 +143,18 @@ pub struct RunArgs {
     /// [default: $KUBECONFIG, ~/.kube/config, then in-cluster].
     #[arg(long, value_name = "FILE")]
     kubeconfig: Option<PathBuf>,
+    /// Whose EndpointSlices count, comma-separated: values of their
+    /// endpointslice.kubernetes.io/managed-by label, or @apiserver (the
+    /// apiserver's own slice: no such label, named as the Service); every
+    /// other slice is ignored [default: @apiserver for default/kubernetes,
+    /// else endpointslice-controller.k8s.io].
+    #[arg(long, value_name = "MANAGER[,MANAGER]")]
+    endpointslice_managers: Option<String>,
+    /// Most backends discovery (--endpointslices, --k3s-state) may give the
+    /// service; a larger set is refused and the last known one stays
+    /// [default: 64].
+    #[arg(long, value_name = "N")]
+    max_discovered_backends: Option<i64>,
     /// Where the last known backend set of each service is kept, for a
     /// start while every source is unreachable.
     #[arg(long, value_name = "DIR", default_value = DEFAULT_STATE_DIR)]
@@ -203,6 +216,8 @@ pub fn run(args: RunArgs) -> super::Outcome {
             endpointslices: args.endpointslices.clone(),
             endpointslice_port: args.endpointslice_port.clone(),
             kubeconfig: args.kubeconfig.clone(),
+            endpointslice_managers: args.endpointslice_managers.clone().map(RawNames::Text),
+            max_discovered_backends: args.max_discovered_backends,
             slow_start: args.slow_start.clone(),
             rebalance: args.rebalance.then_some(true),
             rebalance_tolerance: args.rebalance_tolerance,

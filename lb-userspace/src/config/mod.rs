@@ -4,20 +4,20 @@
 //! becomes a [`FieldError`] that names the field and says what is wrong, and
 //! all problems are reported at once.
 
+mod discovery;
 mod health;
 mod raw;
 mod service;
 mod values;
 
-use std::{
-    fmt,
-    net::SocketAddr,
-    path::{Path, PathBuf},
-    time::Duration,
-};
+use std::{fmt, net::SocketAddr, path::Path, time::Duration};
 
+pub use discovery::{
+    DEFAULT_MAX_DISCOVERED_BACKENDS, Discovery, ENDPOINTSLICE_CONTROLLER,
+    ENDPOINTSLICE_MIRRORING_CONTROLLER, SliceManager, SliceSource,
+};
 use raw::RawFile;
-pub use raw::{RawBackend, RawBackendTable, RawHealth, RawService, RawStatuses};
+pub use raw::{RawBackend, RawBackendTable, RawHealth, RawNames, RawService, RawStatuses};
 pub use service::{slots_needed, table_count};
 pub use values::parse_duration;
 
@@ -191,34 +191,6 @@ pub struct Backend {
     pub drain: bool,
 }
 
-/// Where a service learns its backends besides its static list.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct Discovery {
-    /// A k3s/rke2 agent load-balancer state file (JSON), followed.
-    pub k3s_state: Option<PathBuf>,
-    /// The EndpointSlices of a Kubernetes Service, watched.
-    pub endpoint_slices: Option<SliceSource>,
-}
-
-impl Discovery {
-    pub fn is_dynamic(&self) -> bool {
-        self.k3s_state.is_some() || self.endpoint_slices.is_some()
-    }
-}
-
-/// The EndpointSlices to watch: those labelled
-/// `kubernetes.io/service-name=SERVICE` in NAMESPACE, port PORT.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SliceSource {
-    pub namespace: String,
-    pub service: String,
-    /// The port's name in the slices (`https` for `default/kubernetes`).
-    pub port: String,
-    /// None: inferred as kubectl does ($KUBECONFIG, ~/.kube/config,
-    /// in-cluster).
-    pub kubeconfig: Option<PathBuf>,
-}
-
 /// One validated service.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Service {
@@ -319,6 +291,7 @@ pub fn validate(raw: Vec<RawService>, root: &str) -> Result<Config, ConfigError>
         }
     }
     check_across_services(&services, root, &mut errors);
+    discovery::check_backend_budget(&services, root, &mut errors);
     if errors.is_empty() {
         Ok(Config {
             services: services.into_iter().map(|(_, service)| service).collect(),
@@ -408,22 +381,7 @@ impl fmt::Display for Config {
                     ),
                 }
             )?;
-            if let Some(path) = &service.discovery.k3s_state {
-                writeln!(f, "  discovery: k3s state file {}", path.display())?;
-            }
-            if let Some(slices) = &service.discovery.endpoint_slices {
-                writeln!(
-                    f,
-                    "  discovery: EndpointSlices of {}/{}, port {}, kubeconfig {}",
-                    slices.namespace,
-                    slices.service,
-                    slices.port,
-                    slices
-                        .kubeconfig
-                        .as_ref()
-                        .map_or("inferred".to_string(), |path| path.display().to_string())
-                )?;
-            }
+            write_discovery(f, &service.discovery)?;
             for backend in &service.backends {
                 let role = match backend.role {
                     BackendRole::Normal => "",
@@ -441,6 +399,36 @@ impl fmt::Display for Config {
         }
         Ok(())
     }
+}
+
+/// The discovery lines of `check-config`.
+fn write_discovery(f: &mut fmt::Formatter<'_>, discovery: &Discovery) -> fmt::Result {
+    if let Some(path) = &discovery.k3s_state {
+        writeln!(f, "  discovery: k3s state file {}", path.display())?;
+    }
+    if let Some(slices) = &discovery.endpoint_slices {
+        let managers: Vec<String> = slices.managers.iter().map(ToString::to_string).collect();
+        writeln!(
+            f,
+            "  discovery: EndpointSlices of {}/{}, port {}, written by {}, kubeconfig {}",
+            slices.namespace,
+            slices.service,
+            slices.port,
+            managers.join(" or "),
+            slices
+                .kubeconfig
+                .as_ref()
+                .map_or("inferred".to_string(), |path| path.display().to_string())
+        )?;
+    }
+    if discovery.is_dynamic() {
+        writeln!(
+            f,
+            "  discovery: at most {} backends",
+            discovery.max_backends
+        )?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

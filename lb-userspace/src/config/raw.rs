@@ -40,6 +40,12 @@ pub struct RawService {
     /// Kubeconfig for the EndpointSlice watch (default: inferred, as
     /// kubectl does: $KUBECONFIG, ~/.kube/config, then in-cluster).
     pub kubeconfig: Option<PathBuf>,
+    /// Whose slices count: `endpointslice.kubernetes.io/managed-by` values,
+    /// or `@apiserver` (default: `@apiserver` for default/kubernetes, else
+    /// `endpointslice-controller.k8s.io`).
+    pub endpointslice_managers: Option<RawNames>,
+    /// Most backends a discovery source may give (default 64).
+    pub max_discovered_backends: Option<i64>,
     /// A backend that becomes healthy ramps its share over this long
     /// (default off).
     pub slow_start: Option<String>,
@@ -107,5 +113,13 @@ pub struct RawHealth {
 #[serde(untagged)]
 pub enum RawStatuses {
     List(Vec<i64>),
+    Text(String),
+}
+
+/// Names as a TOML list or as the flag's comma-separated text.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum RawNames {
+    List(Vec<String>),
     Text(String),
 }

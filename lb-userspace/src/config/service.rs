@@ -9,8 +9,10 @@ use crate::planner::weight_divisor;
 use lb_common::{MAX_BACKENDS, MAX_TABLES, MAX_VIPS, NAME_LEN, SLOTS_PER_LIST};
 
 use super::{
-    Backend, BackendRole, Discovery, FieldError, NoneHealthyPolicy, RawService, Rebalance,
-    SelectionPolicy, Service, SliceSource, field_error,
+    Backend, BackendRole, FieldError, NoneHealthyPolicy, RawService, Rebalance, SelectionPolicy,
+    Service,
+    discovery::validate_discovery,
+    field_error,
     health::validate_health,
     values::{parse_backend, parse_endpoint, parse_positive_duration},
 };
@@ -255,86 +257,6 @@ pub(super) fn check_discovered(index: usize, service: &Service, errors: &mut Vec
             ));
         }
     }
-}
-
-/// `k3s-state`, `endpointslices`, `endpointslice-port` and `kubeconfig`.
-fn validate_discovery(raw: &RawService, prefix: &str, errors: &mut Vec<FieldError>) -> Discovery {
-    let field = |toml: &str| {
-        if prefix.is_empty() {
-            format!("--{toml}")
-        } else {
-            format!("{prefix}{toml}")
-        }
-    };
-    let k3s_state = raw.k3s_state.clone().filter(|path| {
-        let ok = path.is_absolute();
-        if !ok {
-            errors.push(field_error(
-                field("k3s-state"),
-                format!("{} is not an absolute path", path.display()),
-            ));
-        }
-        ok
-    });
-    let port = raw.endpointslice_port.clone();
-    if let Some(port) = &port
-        && !is_dns_label(port, 15)
-    {
-        errors.push(field_error(
-            field("endpointslice-port"),
-            format!("{port:?} is not a port name (lowercase letters, digits and '-', at most 15)"),
-        ));
-    }
-    let endpoint_slices = match &raw.endpointslices {
-        None => {
-            for (value, name) in [
-                (port.is_some(), "endpointslice-port"),
-                (raw.kubeconfig.is_some(), "kubeconfig"),
-            ] {
-                if value {
-                    errors.push(field_error(field(name), "only applies with endpointslices"));
-                }
-            }
-            None
-        }
-        Some(text) => match text.split_once('/') {
-            Some((namespace, service))
-                if is_dns_label(namespace, 63) && is_dns_label(service, 63) =>
-            {
-                Some(SliceSource {
-                    namespace: namespace.to_string(),
-                    service: service.to_string(),
-                    port: port.unwrap_or_else(|| "https".to_string()),
-                    kubeconfig: raw.kubeconfig.clone(),
-                })
-            }
-            _ => {
-                errors.push(field_error(
-                    field("endpointslices"),
-                    format!(
-                        "{text:?} is not NAMESPACE/SERVICE (for example \"default/kubernetes\"; lowercase letters, digits and '-')"
-                    ),
-                ));
-                None
-            }
-        },
-    };
-    Discovery {
-        k3s_state,
-        endpoint_slices,
-    }
-}
-
-/// A Kubernetes DNS label: lowercase letters, digits and '-', not at
-/// either end, at most `max` long.
-fn is_dns_label(text: &str, max: usize) -> bool {
-    !text.is_empty()
-        && text.len() <= max
-        && text
-            .chars()
-            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
-        && !text.starts_with('-')
-        && !text.ends_with('-')
 }
 
 fn check_name(name: &str, field: &str, errors: &mut Vec<FieldError>) {

@@ -323,6 +323,42 @@ const INVALID: &[(&str, &str, &str, &str)] = &[
         "service[0].health.down-interval",
         "not a duration",
     ),
+    (
+        "manager not a label value",
+        "vips=[\"127.0.0.1:1\"]\nendpointslices=\"default/kubernetes\"\nendpointslice-managers=[\"@apiserver\", \"evil controller\"]",
+        "service[0].endpointslice-managers[1]",
+        "neither @apiserver nor a label value",
+    ),
+    (
+        "no manager",
+        "vips=[\"127.0.0.1:1\"]\nendpointslices=\"default/kubernetes\"\nendpointslice-managers=[]",
+        "service[0].endpointslice-managers",
+        "names no manager",
+    ),
+    (
+        "manager twice",
+        "vips=[\"127.0.0.1:1\"]\nendpointslices=\"default/kubernetes\"\nendpointslice-managers=[\"a\", \"a\"]",
+        "service[0].endpointslice-managers[1]",
+        "listed twice",
+    ),
+    (
+        "managers without endpointslices",
+        "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\nendpointslice-managers=[\"@apiserver\"]",
+        "service[0].endpointslice-managers",
+        "only applies with endpointslices",
+    ),
+    (
+        "max discovered backends 0",
+        "vips=[\"127.0.0.1:1\"]\nk3s-state=\"/state.json\"\nmax-discovered-backends=0",
+        "service[0].max-discovered-backends",
+        "out of range 1..=1024",
+    ),
+    (
+        "max discovered backends without discovery",
+        "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\nmax-discovered-backends=8",
+        "service[0].max-discovered-backends",
+        "only applies with a discovery source",
+    ),
 ];
 
 #[test]
@@ -613,6 +649,78 @@ fn an_error_in_an_earlier_service_keeps_later_fields_named_right() {
     };
     assert!(
         errors.iter().any(|error| error.field == "service[2].name"),
+        "{errors:?}"
+    );
+}
+
+#[test]
+fn slice_managers_default_per_service_and_may_be_set() {
+    let slices = |body: &str| {
+        let config = parse_toml(&service_toml(&format!("vips=[\"127.0.0.1:1\"]\n{body}"))).unwrap();
+        config.services[0].discovery.clone()
+    };
+    let apiserver = slices("endpointslices=\"default/kubernetes\"");
+    let source = apiserver.endpoint_slices.unwrap();
+    assert_eq!(source.managers, [SliceManager::Apiserver]);
+    assert_eq!(source.max_backends, DEFAULT_MAX_DISCOVERED_BACKENDS);
+    let etcd = slices("endpointslices=\"kube-system/etcd\"\nmax-discovered-backends=5");
+    assert_eq!(etcd.max_backends, 5);
+    let source = etcd.endpoint_slices.unwrap();
+    assert_eq!(
+        source.managers,
+        [SliceManager::Label(ENDPOINTSLICE_CONTROLLER.into())]
+    );
+    assert_eq!(source.max_backends, 5);
+    let both = slices(&format!(
+        "endpointslices=\"default/kubernetes\"\nendpointslice-managers=[\"@apiserver\", \"{ENDPOINTSLICE_MIRRORING_CONTROLLER}\"]"
+    ));
+    assert_eq!(
+        both.endpoint_slices.unwrap().managers,
+        [
+            SliceManager::Apiserver,
+            SliceManager::Label(ENDPOINTSLICE_MIRRORING_CONTROLLER.into())
+        ]
+    );
+    let flags = from_flags(RawService {
+        vips: vec!["127.0.0.1:1".into()],
+        endpointslices: Some("default/kubernetes".into()),
+        endpointslice_managers: Some(RawNames::Text("@apiserver, x.example".into())),
+        ..RawService::default()
+    })
+    .unwrap();
+    let managers = &flags.services[0]
+        .discovery
+        .endpoint_slices
+        .as_ref()
+        .unwrap()
+        .managers;
+    assert_eq!(
+        managers,
+        &[
+            SliceManager::Apiserver,
+            SliceManager::Label("x.example".into())
+        ]
+    );
+}
+
+#[test]
+fn discovered_backends_of_all_services_must_fit_the_backend_table() {
+    let service = |index: usize| {
+        format!(
+            "[[service]]\nname=\"s{index}\"\nvips=[\"127.0.0.1:{}\"]\nk3s-state=\"/s{index}.json\"\nmax-discovered-backends=1024\n",
+            index + 1
+        )
+    };
+    let fits: String = (0..4).map(service).collect();
+    assert!(parse_toml(&fits).is_ok());
+    let too_many: String = (0..5).map(service).collect();
+    let Err(ConfigError::Invalid(errors)) = parse_toml(&too_many) else {
+        panic!("expected a budget error");
+    };
+    assert!(
+        errors
+            .iter()
+            .any(|error| error.field == "service" && error.problem.contains("5120 backends")),
         "{errors:?}"
     );
 }

@@ -19,6 +19,8 @@ use tokio::{
 };
 use tracing::{debug, warn};
 
+use super::accept::AcceptErrors;
+
 /// Longest request line the daemon reads.
 const MAX_REQUEST_BYTES: u64 = 4096;
 /// How long a client has to send its request.
@@ -104,8 +106,10 @@ pub fn serve(path: &Path, requests: mpsc::Sender<Incoming>) -> std::io::Result<(
     // SAFETY: geteuid has no preconditions.
     let euid = unsafe { libc::geteuid() };
     tokio::spawn(async move {
+        let mut errors = AcceptErrors::new("control socket");
+        // Runs until the daemon's loop drops `requests`.
         loop {
-            let Ok((stream, _)) = listener.accept().await else {
+            let Some((stream, _)) = errors.take(listener.accept().await).await else {
                 continue;
             };
             let allowed = stream

@@ -9,14 +9,18 @@
 //! updates) is counted where it happens.
 
 use std::{
+    collections::VecDeque,
     net::SocketAddr,
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
     time::Duration,
 };
 
 use http_body_util::Full;
 use hyper::{Request, Response, StatusCode, body::Bytes, service::service_fn};
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::{
     collector::Collector,
     encoding::{DescriptorEncoder, EncodeMetric},
@@ -28,19 +32,26 @@ use prometheus_client::{
     },
     registry::Registry,
 };
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot};
 use tracing::{info, warn};
 
+use super::accept::AcceptErrors;
 use crate::status::StatusReport;
 
 type Labels = Vec<(String, String)>;
 
 /// The kernel is read for a scrape at most this often.
 const MIN_REFRESH: Duration = Duration::from_secs(1);
-/// Connections the endpoint serves at once; more wait.
-const MAX_CONNECTIONS: usize = 8;
+/// Connections open at once. At this many, a new one closes the oldest
+/// that has not sent its request yet, so an idle or slow client never
+/// holds a place a scraper needs.
+const MAX_CONNECTIONS: usize = 64;
+/// How long a client has to send its request head.
+const HEADER_TIMEOUT: Duration = Duration::from_secs(1);
 /// How long one connection may take, request and answer.
-const CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
+const CONNECTION_TIMEOUT: Duration = Duration::from_secs(5);
+/// Bytes of a request head read at most (hyper's smallest buffer).
+const MAX_HEAD_BYTES: usize = 8192;
 /// How long a scrape waits for the loop's fresh reading.
 const REFRESH_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -125,7 +136,7 @@ impl Metrics {
         );
         registry.register(
             "socklb_discovery_problems",
-            "Reports of a discovery source that failed or listed no backend; the last known set stayed",
+            "Discovery problems, each said once, by reason: a source that failed, listed no backend or too many (the last known set stayed), or an EndpointSlice refused alone (foreign-manager, oversized, over-cap, invalid, too-many-slices)",
             discovery_problems.clone(),
         );
         registry.register(
@@ -192,9 +203,15 @@ impl Metrics {
             .inc();
     }
 
-    pub fn discovery_problem(&self, service: &str, source: &str) {
+    /// A discovery problem said once: `reason` is a
+    /// [`crate::discovery::ProblemKind`].
+    pub fn discovery_problem(&self, service: &str, source: &str, reason: &str) {
         self.discovery_problems
-            .get_or_create(&labels(&[("service", service), ("source", source)]))
+            .get_or_create(&labels(&[
+                ("service", service),
+                ("source", source),
+                ("reason", reason),
+            ]))
             .inc();
     }
 
@@ -336,6 +353,14 @@ pub type Refresh = oneshot::Sender<()>;
 /// first asks the event loop (through `refresh`) to read the kernel's
 /// counters; if the loop does not answer in time, the last reading is
 /// served.
+///
+/// Any local user can connect here, so no client can delay another's
+/// scrape: every connection is served by its own task, has
+/// [`HEADER_TIMEOUT`] to send its request and [`CONNECTION_TIMEOUT`] in
+/// all, and one request (no keep-alive); at [`MAX_CONNECTIONS`] a new
+/// connection closes the oldest one still silent. The event loop, and so
+/// the heartbeat, only hears of a scrape through `refresh`, at most once a
+/// second.
 pub async fn serve(
     addr: SocketAddr,
     metrics: Metrics,
@@ -343,29 +368,99 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     info!("metrics at http://{addr}/metrics");
-    let permits = Arc::new(Semaphore::new(MAX_CONNECTIONS));
-    tokio::spawn(async move {
-        loop {
-            let Ok(permit) = permits.clone().acquire_owned().await else {
-                return;
-            };
-            let Ok((stream, _)) = listener.accept().await else {
-                continue;
-            };
-            let metrics = metrics.clone();
-            let refresh = refresh.clone();
-            tokio::spawn(async move {
-                let service = service_fn(move |request: Request<hyper::body::Incoming>| {
-                    answer(request, metrics.clone(), refresh.clone())
-                });
-                let connection = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service);
-                let _ = tokio::time::timeout(CONNECTION_TIMEOUT, connection).await;
-                drop(permit);
-            });
-        }
-    });
+    tokio::spawn(accept_loop(listener, metrics, refresh));
     Ok(())
+}
+
+/// Accepts until the process ends.
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    metrics: Metrics,
+    refresh: mpsc::Sender<Refresh>,
+) {
+    let mut open = OpenConnections::default();
+    let mut errors = AcceptErrors::new("metrics");
+    loop {
+        let Some((stream, _)) = errors.take(listener.accept().await).await else {
+            continue;
+        };
+        if !open.make_room() {
+            // Every place is taken by a request being answered: this one
+            // is closed unread, and the client may try again.
+            continue;
+        }
+        let requested = Arc::new(AtomicBool::new(false));
+        let task = tokio::spawn(serve_connection(
+            stream,
+            metrics.clone(),
+            refresh.clone(),
+            requested.clone(),
+        ));
+        open.connections.push_back(OpenConnection {
+            requested,
+            task: task.abort_handle(),
+        });
+        // The new connection reads its request before the next accept can
+        // count it as silent.
+        tokio::task::yield_now().await;
+    }
+}
+
+/// One open connection of the metrics endpoint.
+struct OpenConnection {
+    /// Its request head has arrived.
+    requested: Arc<AtomicBool>,
+    task: tokio::task::AbortHandle,
+}
+
+/// The open connections, oldest first.
+#[derive(Default)]
+struct OpenConnections {
+    connections: VecDeque<OpenConnection>,
+}
+
+impl OpenConnections {
+    /// Makes room for one more connection: forgets those that ended, and
+    /// when [`MAX_CONNECTIONS`] are open, closes the oldest one that has
+    /// not sent its request. False when every one is answering a request.
+    fn make_room(&mut self) -> bool {
+        self.connections
+            .retain(|connection| !connection.task.is_finished());
+        if self.connections.len() < MAX_CONNECTIONS {
+            return true;
+        }
+        let silent = self
+            .connections
+            .iter()
+            .position(|connection| !connection.requested.load(Ordering::Relaxed));
+        match silent.and_then(|index| self.connections.remove(index)) {
+            Some(connection) => {
+                connection.task.abort();
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// One connection: one request, then closed.
+async fn serve_connection(
+    stream: tokio::net::TcpStream,
+    metrics: Metrics,
+    refresh: mpsc::Sender<Refresh>,
+    requested: Arc<AtomicBool>,
+) {
+    let service = service_fn(move |request: Request<hyper::body::Incoming>| {
+        requested.store(true, Ordering::Relaxed);
+        answer(request, metrics.clone(), refresh.clone())
+    });
+    let connection = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_TIMEOUT)
+        .max_buf_size(MAX_HEAD_BYTES)
+        .keep_alive(false)
+        .serve_connection(TokioIo::new(stream), service);
+    let _ = tokio::time::timeout(CONNECTION_TIMEOUT, connection).await;
 }
 
 async fn answer(

@@ -6,6 +6,7 @@
 //! the control socket and the signals only report to the event loop here,
 //! which feeds the owner and acts on what it returns.
 
+mod accept;
 pub mod control;
 pub mod metrics;
 pub mod passive;
@@ -308,7 +309,7 @@ pub async fn run(options: RunOptions) -> Result<(), DaemonError> {
             let outcome =
                 service_sources.report(Source::K3sState, discovery::k3s::read(path).await);
             if let Some(problem) = outcome.problem {
-                warn!("discovery: {}: {problem}", service.name);
+                warn!("discovery: {}: {}", service.name, problem.text);
             }
         }
     }

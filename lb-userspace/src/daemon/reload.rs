@@ -241,9 +241,12 @@ impl Daemon {
         let before = sources.clone();
         let outcome = sources.report(event.source, event.report);
         if let Some(problem) = outcome.problem {
-            warn!("discovery: {}: {problem}", event.service);
-            self.metrics
-                .discovery_problem(&event.service, event.source.as_str());
+            warn!("discovery: {}: {}", event.service, problem.text);
+            self.metrics.discovery_problem(
+                &event.service,
+                event.source.as_str(),
+                problem.kind.as_str(),
+            );
         }
         if let Some(recovered) = outcome.recovered {
             info!("discovery: {}: {recovered}", event.service);

@@ -15,12 +15,13 @@ use std::{
     io::{self, Seek, Write},
     os::{
         fd::AsRawFd,
-        unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt},
+        unix::fs::{DirBuilderExt, OpenOptionsExt},
     },
     path::{Path, PathBuf},
 };
 
 use super::{KernelError, PinPaths};
+use crate::trust::{self, Owner};
 
 /// Where socklb keeps its lock files and control sockets, unless
 /// `SOCKLB_RUN_DIR` names another directory (a daemon that runs as a user
@@ -101,20 +102,14 @@ fn prepare_run_dir() -> Result<(), KernelError> {
             .map_err(io_error)?;
     }
     let metadata = std::fs::symlink_metadata(dir).map_err(io_error)?;
-    // SAFETY: geteuid has no preconditions.
-    let euid = unsafe { libc::geteuid() };
-    let mode = metadata.permissions().mode();
-    if !metadata.is_dir() || metadata.uid() != euid || mode & 0o022 != 0 {
-        return Err(KernelError::UnsafePinDir {
-            path: dir.to_path_buf(),
-            problem: format!(
-                "must be a directory owned by uid {euid} that only it can write (uid {}, mode {:o})",
-                metadata.uid(),
-                mode & 0o7777
-            ),
-        });
+    let refuse = |problem: String| KernelError::UnsafePinDir {
+        path: dir.to_path_buf(),
+        problem,
+    };
+    if !metadata.is_dir() {
+        return Err(refuse("is not a directory".into()));
     }
-    Ok(())
+    trust::check(&metadata, Owner::Me).map_err(refuse)
 }
 
 fn lock_request(kind: libc::c_short) -> libc::flock {

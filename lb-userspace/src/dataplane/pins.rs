@@ -9,13 +9,14 @@
 
 use std::{
     fs::DirBuilder,
-    os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt},
+    os::unix::fs::DirBuilderExt,
     path::{Path, PathBuf},
 };
 
 use lb_common::names;
 
 use super::KernelError;
+use crate::trust::{self, Owner};
 
 /// Where socklb pins its objects unless told otherwise.
 pub const DEFAULT_PIN_PATH: &str = "/sys/fs/bpf/socklb";
@@ -133,8 +134,11 @@ pub fn ensure_bpffs(paths: &PinPaths) -> Result<bool, KernelError> {
     Ok(true)
 }
 
-/// Why a directory on the way to the pins is not safe to use.
-fn unsafe_dir(path: &Path, euid: u32, final_dir: bool) -> Option<String> {
+/// Why a directory on the way to the pins is not safe to use: the pin
+/// directory itself must be socklb's own and writable by it alone; a parent
+/// may be root's, and shared only when sticky (as /sys/fs/bpf with mode 1777
+/// is), so that nobody can rename our directory away.
+fn unsafe_dir(path: &Path, final_dir: bool) -> Option<String> {
     let metadata = match std::fs::symlink_metadata(path) {
         Ok(metadata) => metadata,
         Err(error) => return Some(error.to_string()),
@@ -145,52 +149,25 @@ fn unsafe_dir(path: &Path, euid: u32, final_dir: bool) -> Option<String> {
     if !metadata.is_dir() {
         return Some("is not a directory".into());
     }
-    let mode = metadata.permissions().mode();
-    let owner = metadata.uid();
-    if final_dir {
-        if owner != euid {
-            return Some(format!(
-                "is owned by uid {owner}, not by this process (uid {euid})"
-            ));
-        }
-        if mode & 0o022 != 0 {
-            return Some(format!(
-                "mode {:o} lets group or others write it (socklb needs 0700)",
-                mode & 0o7777
-            ));
-        }
-        return None;
-    }
-    // A parent that others can write must be sticky (as /sys/fs/bpf with
-    // mode 1777 is), so that nobody can rename our directory away.
-    if owner != 0 && owner != euid {
-        return Some(format!("is owned by uid {owner}"));
-    }
-    if mode & 0o022 != 0 && mode & 0o1000 == 0 {
-        return Some(format!(
-            "mode {:o} lets others replace what is in it",
-            mode & 0o7777
-        ));
-    }
-    None
-}
-
-fn euid() -> u32 {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() }
+    let checked = if final_dir {
+        trust::check(&metadata, Owner::Me)
+            .map_err(|problem| format!("{problem} (socklb needs 0700)"))
+    } else {
+        trust::check_parent(&metadata)
+    };
+    checked.err()
 }
 
 /// Checks the pin directory and its parents, creating it (0700) when it is
 /// missing. Refuses a directory another user owns or can write.
 pub fn prepare_pin_dir(paths: &PinPaths) -> Result<(), KernelError> {
-    let euid = euid();
     let refuse = |path: &Path, problem: String| KernelError::UnsafePinDir {
         path: path.to_path_buf(),
         problem,
     };
     if let Some(parent) = paths.dir.parent() {
         for ancestor in parent.ancestors().filter(|dir| dir.exists()) {
-            if let Some(problem) = unsafe_dir(ancestor, euid, false) {
+            if let Some(problem) = unsafe_dir(ancestor, false) {
                 return Err(refuse(ancestor, problem));
             }
         }
@@ -205,7 +182,7 @@ pub fn prepare_pin_dir(paths: &PinPaths) -> Result<(), KernelError> {
                 source,
             })?;
     }
-    match unsafe_dir(&paths.dir, euid, true) {
+    match unsafe_dir(&paths.dir, true) {
         Some(problem) => Err(refuse(&paths.dir, problem)),
         None => Ok(()),
     }
@@ -214,7 +191,7 @@ pub fn prepare_pin_dir(paths: &PinPaths) -> Result<(), KernelError> {
 /// Checks an existing pin directory without creating anything (for the
 /// commands that only read or remove).
 pub fn check_pin_dir(paths: &PinPaths) -> Result<(), KernelError> {
-    match unsafe_dir(&paths.dir, euid(), true) {
+    match unsafe_dir(&paths.dir, true) {
         Some(problem) if paths.dir.exists() => Err(KernelError::UnsafePinDir {
             path: paths.dir.clone(),
             problem,
@@ -225,6 +202,8 @@ pub fn check_pin_dir(paths: &PinPaths) -> Result<(), KernelError> {
 
 #[cfg(test)]
 mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
     use super::*;
 
     #[test]

@@ -12,7 +12,9 @@
 //! when it is not (what the agent itself does with it). The agent rewrites
 //! the file whole; the watcher follows its directory with inotify (through
 //! `notify`) and reads the file again on every change, and every few
-//! seconds in case an event was missed.
+//! seconds in case an event was missed. A file that another user owns or
+//! can write (or that is reached through such a directory or link) is
+//! refused, saying why, and the last known set stays.
 
 use std::{
     net::SocketAddr,
@@ -26,6 +28,7 @@ use tokio::sync::mpsc;
 use tracing::debug;
 
 use super::{BackendSet, Found, Report, Source, SourceEvent};
+use crate::trust::{self, Owner};
 
 /// A state file larger than this is not one.
 const MAX_BYTES: u64 = 1 << 20;
@@ -114,7 +117,7 @@ pub async fn parse(text: &str) -> Result<BackendSet, String> {
 
 /// Reads and parses the file once.
 pub async fn read(path: &Path) -> Report {
-    let text = match read_bounded(path) {
+    let text = match read_trusted(path) {
         Ok(text) => text,
         Err(error) => return Report::Failed(format!("{}: {error}", path.display())),
     };
@@ -124,21 +127,36 @@ pub async fn read(path: &Path) -> Report {
     }
 }
 
-fn read_bounded(path: &Path) -> std::io::Result<String> {
+/// The file's text, if socklb may trust it: whoever can write it decides
+/// where connections go. It must be root's (or socklb's user's) and
+/// writable by nobody else, as must every directory on its path (or be
+/// sticky) and every symbolic link to it (see [`crate::trust`]).
+fn read_trusted(path: &Path) -> Result<String, String> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;
-    // Never blocking on a FIFO put in its place.
+    let real = trust::resolve(path).map_err(|untrusted| format!("refused: {untrusted}"))?;
+    // Not through a link swapped in since, never blocking on a FIFO.
     let file = std::fs::OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path)?;
-    if !file.metadata()?.is_file() {
-        return Err(std::io::Error::other("not a regular file"));
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(&real)
+        .map_err(|error| error.to_string())?;
+    let metadata = file.metadata().map_err(|error| error.to_string())?;
+    if !metadata.is_file() {
+        return Err("not a regular file".into());
     }
+    trust::check(&metadata, Owner::RootOrMe).map_err(|why| {
+        format!(
+            "refused: {} {why}; a state file must be root's (or socklb's user's) and writable by its owner alone",
+            real.display()
+        )
+    })?;
     let mut text = String::new();
-    file.take(MAX_BYTES + 1).read_to_string(&mut text)?;
+    file.take(MAX_BYTES + 1)
+        .read_to_string(&mut text)
+        .map_err(|error| error.to_string())?;
     if text.len() as u64 > MAX_BYTES {
-        return Err(std::io::Error::other("larger than 1 MiB"));
+        return Err("larger than 1 MiB".into());
     }
     Ok(text)
 }

@@ -13,6 +13,7 @@
 //! static list. A source that fails, or answers with nothing, never empties
 //! a table: its last known set stays, and the problem is said once.
 
+mod api;
 pub mod k3s;
 pub mod persist;
 pub mod slices;
@@ -73,6 +74,63 @@ pub enum Report {
     Set(BackendSet),
     /// It could not be read; why.
     Failed(String),
+    /// One part of it (an EndpointSlice) was refused; the rest applies.
+    /// Sent once per part and reason.
+    Refused(Refusal),
+}
+
+/// A part of a source that socklb refused, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub kind: ProblemKind,
+    /// What was refused and why, in words ("EndpointSlice default/evil is
+    /// managed by \"evil-controller\", …").
+    pub why: String,
+}
+
+/// The kinds of discovery problems, as the `reason` label of
+/// `socklb_discovery_problems_total` names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ProblemKind {
+    /// The source could not be read.
+    Failed,
+    /// It listed no backend.
+    Empty,
+    /// It listed more backends than `max-discovered-backends`.
+    TooManyBackends,
+    /// An EndpointSlice not written by the Service's manager.
+    ForeignManager,
+    /// An EndpointSlice larger than the cap (or than the API allows).
+    Oversized,
+    /// An EndpointSlice that would take the service past its cap with the
+    /// others.
+    OverCap,
+    /// An EndpointSlice that no API server would serve (a bad address).
+    Invalid,
+    /// More EndpointSlices than socklb follows for one Service.
+    TooManySlices,
+}
+
+impl ProblemKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Failed => "failed",
+            Self::Empty => "empty",
+            Self::TooManyBackends => "too-many-backends",
+            Self::ForeignManager => "foreign-manager",
+            Self::Oversized => "oversized",
+            Self::OverCap => "over-cap",
+            Self::Invalid => "invalid",
+            Self::TooManySlices => "too-many-slices",
+        }
+    }
+}
+
+/// A problem to say once and count.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    pub kind: ProblemKind,
+    pub text: String,
 }
 
 /// A report of one source of one service, sent to the daemon's loop.
@@ -86,9 +144,9 @@ pub struct SourceEvent {
 /// What a report changed.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct Outcome {
-    /// A problem to log once: the source failed or listed nothing, and the
-    /// last known set stays.
-    pub problem: Option<String>,
+    /// A problem to log once and count: the source failed, listed nothing
+    /// or too much (the last known set stays), or a part was refused.
+    pub problem: Option<Problem>,
     /// The problem of an earlier report is over.
     pub recovered: Option<String>,
 }
@@ -104,6 +162,8 @@ pub struct ServiceSources {
     known: BTreeMap<Source, BackendSet>,
     /// Sources whose last report was a failure or an empty set (said once).
     troubled: BTreeSet<Source>,
+    /// Most backends a dynamic source may give (`max-discovered-backends`).
+    max_backends: usize,
 }
 
 impl ServiceSources {
@@ -125,6 +185,7 @@ impl ServiceSources {
                     standby: backend.role == BackendRole::Standby,
                 })
                 .collect(),
+            max_backends: service.discovery.max_backends,
             ..Self::default()
         }
     }
@@ -155,40 +216,55 @@ impl ServiceSources {
 
     /// Feeds one report of a dynamic source.
     pub fn report(&mut self, source: Source, report: Report) -> Outcome {
-        let mut outcome = Outcome::default();
         if !self.dynamic.contains(&source) {
-            return outcome;
+            return Outcome::default();
         }
-        let keeping = |known: Option<&BackendSet>| match known {
+        let keeping = match self.known.get(&source) {
             Some(set) => format!("keeping its last known {} backends", set.len()),
             None => "nothing known from it yet".to_string(),
         };
-        match report {
+        let trouble = match report {
+            Report::Refused(refusal) => {
+                return Outcome {
+                    problem: Some(Problem {
+                        kind: refusal.kind,
+                        text: format!("{source}: {}", refusal.why),
+                    }),
+                    recovered: None,
+                };
+            }
+            Report::Set(set) if set.len() > self.max_backends => Problem {
+                kind: ProblemKind::TooManyBackends,
+                text: format!(
+                    "{source} lists {} backends, more than max-discovered-backends ({}); {keeping}",
+                    set.len(),
+                    self.max_backends
+                ),
+            },
             Report::Set(set) if !set.is_empty() => {
-                if self.troubled.remove(&source) {
-                    outcome.recovered =
-                        Some(format!("{source} lists {} backends again", set.len()));
-                }
+                let recovered = self
+                    .troubled
+                    .remove(&source)
+                    .then(|| format!("{source} lists {} backends again", set.len()));
                 self.known.insert(source, set);
+                return Outcome {
+                    problem: None,
+                    recovered,
+                };
             }
-            Report::Set(_) => {
-                if self.troubled.insert(source) {
-                    outcome.problem = Some(format!(
-                        "{source} lists no backend; {}",
-                        keeping(self.known.get(&source))
-                    ));
-                }
-            }
-            Report::Failed(why) => {
-                if self.troubled.insert(source) {
-                    outcome.problem = Some(format!(
-                        "{source} failed: {why}; {}",
-                        keeping(self.known.get(&source))
-                    ));
-                }
-            }
+            Report::Set(_) => Problem {
+                kind: ProblemKind::Empty,
+                text: format!("{source} lists no backend; {keeping}"),
+            },
+            Report::Failed(why) => Problem {
+                kind: ProblemKind::Failed,
+                text: format!("{source} failed: {why}; {keeping}"),
+            },
+        };
+        Outcome {
+            problem: self.troubled.insert(source).then_some(trouble),
+            recovered: None,
         }
-        outcome
     }
 
     /// The set the table follows now, and where it comes from. None: no
@@ -253,43 +329,7 @@ pub fn effective_config(
             waiting.push(service.name.clone());
             continue;
         };
-        let mut backends: Vec<Backend> = set
-            .iter()
-            .filter(|found| {
-                let is_vip = vips.contains(&found.addr);
-                if is_vip {
-                    tracing::warn!(
-                        "{}: discovery lists {}, a VIP of socklb; left out (it would loop)",
-                        service.name,
-                        found.addr
-                    );
-                }
-                !is_vip
-            })
-            .filter(|found| {
-                service
-                    .vips
-                    .iter()
-                    .any(|vip| vip.is_ipv4() == found.addr.is_ipv4())
-            })
-            .map(|found| {
-                service
-                    .backends
-                    .iter()
-                    .find(|backend| backend.addr == found.addr)
-                    .cloned()
-                    .unwrap_or(Backend {
-                        addr: found.addr,
-                        weight: 1,
-                        role: if found.standby {
-                            BackendRole::Standby
-                        } else {
-                            BackendRole::Normal
-                        },
-                        drain: false,
-                    })
-            })
-            .collect();
+        let mut backends = discovered_backends(service, set, &vips);
         // A set of standbys only (a state file that lists no server but
         // its default one) still has to serve.
         if backends
@@ -315,6 +355,53 @@ pub fn effective_config(
         });
     }
     (Config { services }, waiting)
+}
+
+/// The backends of `service` for a discovered `set`: those of an address
+/// family it has a VIP for, and not a VIP (they would be redirected
+/// again). A backend listed statically keeps its weight, role and drain;
+/// one found only by discovery has weight 1.
+fn discovered_backends(
+    service: &Service,
+    set: &BackendSet,
+    vips: &BTreeSet<SocketAddr>,
+) -> Vec<Backend> {
+    set.iter()
+        .filter(|found| {
+            let is_vip = vips.contains(&found.addr);
+            if is_vip {
+                tracing::warn!(
+                    "{}: discovery lists {}, a VIP of socklb; left out (it would loop)",
+                    service.name,
+                    found.addr
+                );
+            }
+            !is_vip
+        })
+        .filter(|found| {
+            service
+                .vips
+                .iter()
+                .any(|vip| vip.is_ipv4() == found.addr.is_ipv4())
+        })
+        .map(|found| {
+            service
+                .backends
+                .iter()
+                .find(|backend| backend.addr == found.addr)
+                .cloned()
+                .unwrap_or(Backend {
+                    addr: found.addr,
+                    weight: 1,
+                    role: if found.standby {
+                        BackendRole::Standby
+                    } else {
+                        BackendRole::Normal
+                    },
+                    drain: false,
+                })
+        })
+        .collect()
 }
 
 /// Whether a file event can change what the file says: not a read (our

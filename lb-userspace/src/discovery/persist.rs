@@ -18,6 +18,7 @@ use std::{
 use serde::{Deserialize, Serialize};
 
 use super::{BackendSet, Source};
+use crate::trust::{self, Owner};
 
 /// The default state directory.
 pub const DEFAULT_STATE_DIR: &str = "/var/lib/socklb";
@@ -80,21 +81,10 @@ impl StateDir {
     /// that others can write: whoever can write there could plant the set
     /// a restarted daemon redirects to.
     fn check_owner(path: &Path, metadata: &fs::Metadata) -> Result<(), PersistError> {
-        use std::os::unix::fs::{MetadataExt, PermissionsExt};
-        // SAFETY: geteuid has no preconditions.
-        let euid = unsafe { libc::geteuid() };
-        let mode = metadata.permissions().mode();
-        if metadata.uid() != euid || mode & 0o022 != 0 {
-            return Err(PersistError::Foreign {
-                path: path.display().to_string(),
-                why: format!(
-                    "owned by uid {} with mode {:o}; it must be uid {euid}'s and writable by it alone",
-                    metadata.uid(),
-                    mode & 0o7777
-                ),
-            });
-        }
-        Ok(())
+        trust::check(metadata, Owner::Me).map_err(|why| PersistError::Foreign {
+            path: path.display().to_string(),
+            why: format!("it {why}; it must be socklb's own and writable by it alone"),
+        })
     }
 
     /// The persisted sets; empty when there is no file yet.

@@ -63,13 +63,16 @@ fn failures_and_empty_sets_keep_the_last_known_set_and_warn_once() {
     assert!(sources.effective().is_none());
     let first = sources.report(Source::EndpointSlices, Report::Failed("refused".into()));
     assert_eq!(
-        first.problem.as_deref(),
-        Some("endpointslices failed: refused; nothing known from it yet")
+        first.problem.map(|problem| (problem.kind, problem.text)),
+        Some((
+            ProblemKind::Failed,
+            "endpointslices failed: refused; nothing known from it yet".to_string()
+        ))
     );
     sources.report(Source::EndpointSlices, Report::Set(set(&["10.0.0.1:6443"])));
     let empty = sources.report(Source::EndpointSlices, Report::Set(BackendSet::new()));
     assert_eq!(
-        empty.problem.as_deref(),
+        empty.problem.map(|problem| problem.text).as_deref(),
         Some("endpointslices lists no backend; keeping its last known 1 backends")
     );
     let again = sources.report(Source::EndpointSlices, Report::Failed("timeout".into()));
@@ -167,4 +170,40 @@ fn change_lines() {
         Some("+10.0.0.3:6443, -10.0.0.1:6443")
     );
     assert!(describe_change(&base.services[0].backends, &base.services[0].backends).is_none());
+}
+
+#[test]
+fn a_set_over_the_cap_is_refused_and_a_refused_part_changes_nothing() {
+    let base = config(
+        r#"k3s-state = "/state.json"
+max-discovered-backends = 2"#,
+    );
+    let mut sources = ServiceSources::new(&base.services[0]);
+    sources.report(Source::K3sState, Report::Set(set(&["10.0.0.1:6443"])));
+    let three = set(&["10.0.0.1:6443", "10.0.0.2:6443", "10.0.0.3:6443"]);
+    let refused = sources.report(Source::K3sState, Report::Set(three.clone()));
+    let problem = refused.problem.expect("said");
+    assert_eq!(problem.kind, ProblemKind::TooManyBackends);
+    assert!(
+        problem
+            .text
+            .contains("lists 3 backends, more than max-discovered-backends (2)"),
+        "{}",
+        problem.text
+    );
+    assert_eq!(sources.effective().unwrap().1, &set(&["10.0.0.1:6443"]));
+    assert_eq!(
+        sources.report(Source::K3sState, Report::Set(three)),
+        Outcome::default(),
+        "said once"
+    );
+    let part = sources.report(
+        Source::K3sState,
+        Report::Refused(Refusal {
+            kind: ProblemKind::Invalid,
+            why: "a part".into(),
+        }),
+    );
+    assert_eq!(part.problem.unwrap().text, "k3s-state: a part");
+    assert_eq!(sources.effective().unwrap().1, &set(&["10.0.0.1:6443"]));
 }

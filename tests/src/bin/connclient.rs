@@ -14,9 +14,14 @@
 //! at once through the same address (one retry), and the line counts the
 //! reconnects.
 //!
+//! `--nobody` drops to uid 65534 in `--hold` too (`--abort` always does),
+//! and `--send TEXT` writes TEXT on each connection once it is open (a
+//! client that starts a request and never finishes it).
+//!
 //! Usage: connclient (--abort | --hold) --addr ADDR:PORT [--cgroup DIR]
 //!                   [--count N] [--ttl T] [--abort-ms MS] [--hold-ms MS]
-//!                   [--until-stdin-closes] [--reconnect]
+//!                   [--until-stdin-closes] [--reconnect] [--nobody]
+//!                   [--send TEXT]
 
 use std::{
     io::{ErrorKind, Read, Write},
@@ -41,6 +46,10 @@ struct Args {
     until_stdin_closes: bool,
     /// Open a connection that ends again.
     reconnect: bool,
+    /// Run as uid 65534 (always with `--abort`).
+    nobody: bool,
+    /// Written on each connection once it is open.
+    send: Option<String>,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -54,6 +63,8 @@ fn parse_args() -> Result<Args, String> {
         hold: Duration::from_secs(1),
         until_stdin_closes: false,
         reconnect: false,
+        nobody: false,
+        send: None,
     };
     let mut mode = None;
     let mut words = std::env::args().skip(1);
@@ -74,20 +85,23 @@ fn parse_args() -> Result<Args, String> {
             "--hold-ms" => args.hold = Duration::from_millis(number(value()?)?),
             "--until-stdin-closes" => args.until_stdin_closes = true,
             "--reconnect" => args.reconnect = true,
+            "--nobody" => args.nobody = true,
+            "--send" => args.send = Some(value()?),
             other => return Err(format!("unknown argument {other}")),
         }
     }
     args.abort = mode.ok_or("--abort or --hold is required")?;
+    args.nobody |= args.abort;
     Ok(args)
 }
 
-/// Joins the cgroup, then (for `--abort`) becomes nobody.
+/// Joins the cgroup, then (for `--abort` and `--nobody`) becomes nobody.
 fn enter(args: &Args) -> Result<(), String> {
     if let Some(dir) = &args.cgroup {
         std::fs::write(dir.join("cgroup.procs"), std::process::id().to_string())
             .map_err(|e| format!("joining cgroup {}: {e}", dir.display()))?;
     }
-    if !args.abort {
+    if !args.nobody {
         return Ok(());
     }
     // SAFETY: plain credential syscalls on this single-threaded process.
@@ -179,6 +193,15 @@ struct Held {
     reconnects: u32,
 }
 
+/// One connection of `--hold`, with `--send`'s text written on it.
+fn open(args: &Args) -> std::io::Result<TcpStream> {
+    let mut stream = TcpStream::connect_timeout(&args.addr, Duration::from_secs(10))?;
+    if let Some(text) = &args.send {
+        stream.write_all(text.as_bytes())?;
+    }
+    Ok(stream)
+}
+
 /// Threads that connect at once: a connect that hangs delays no other, and
 /// thousands of connections open in a few seconds.
 const CONNECTING_THREADS: u32 = 32;
@@ -189,11 +212,7 @@ fn hold(args: &Args) -> Vec<Held> {
         let connects: Vec<_> = (0..CONNECTING_THREADS)
             .map(|thread| {
                 let count = per_thread.min(args.count.saturating_sub(thread * per_thread));
-                scope.spawn(move || {
-                    (0..count)
-                        .map(|_| TcpStream::connect_timeout(&args.addr, Duration::from_secs(10)))
-                        .collect::<Vec<_>>()
-                })
+                scope.spawn(move || (0..count).map(|_| open(args)).collect::<Vec<_>>())
             })
             .collect();
         connects
@@ -280,8 +299,7 @@ fn hold(args: &Args) -> Vec<Held> {
             };
             if end.is_some() && args.reconnect {
                 // A well-behaved client: open it again, retrying once.
-                let again = TcpStream::connect_timeout(&args.addr, Duration::from_secs(2))
-                    .or_else(|_| TcpStream::connect_timeout(&args.addr, Duration::from_secs(2)));
+                let again = open(args).or_else(|_| open(args));
                 if let Ok(again) = again {
                     entry.fd = again.as_raw_fd();
                     *stream = Ok(again);

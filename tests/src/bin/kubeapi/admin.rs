@@ -11,7 +11,7 @@ use std::{
 use http_body_util::{BodyExt, Limited};
 use hyper::{Method, Request, Response, StatusCode, body::Incoming};
 use serde_json::json;
-use socklb_tests::kube::SliceSpec;
+use socklb_tests::kube::{Faults, SliceSpec};
 
 use crate::{
     Server,
@@ -83,6 +83,16 @@ pub fn route_admin(server: &Server, method: &Method, path: &str, body: &[u8]) ->
                 .send_modify(|generation| *generation += 1);
             json_response(StatusCode::OK, &json!({"closed": open}))
         }
+        (&Method::PUT, ["faults"]) => match serde_json::from_slice::<Faults>(body) {
+            Ok(faults) => {
+                *server
+                    .faults
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = faults;
+                json_response(StatusCode::OK, &json!({"faults": faults}))
+            }
+            Err(error) => admin_error(StatusCode::BAD_REQUEST, &format!("the faults: {error}")),
+        },
         (&Method::GET, ["stats"]) => json_response(
             StatusCode::OK,
             &serde_json::to_value(server.stats()).expect("stats"),
@@ -90,7 +100,7 @@ pub fn route_admin(server: &Server, method: &Method, path: &str, body: &[u8]) ->
         _ => admin_error(
             StatusCode::NOT_FOUND,
             &format!(
-                "no {method} {path}: PUT|DELETE /slices/NS/NAME, POST /compact, POST /close-watches, GET /stats"
+                "no {method} {path}: PUT|DELETE /slices/NS/NAME, POST /compact, POST /close-watches, PUT /faults, GET /stats"
             ),
         ),
     }

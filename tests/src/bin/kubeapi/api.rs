@@ -17,7 +17,7 @@ use serde_json::{Value, json};
 use socklb_tests::kube::{SERVICE_NAME_LABEL, SliceSpec};
 
 use crate::{
-    Server, bump,
+    Server, bump, fault,
     selector::{Selector, parse_bool, parse_query},
     store::StoredSlice,
     watch::start_watch,
@@ -26,8 +26,6 @@ use crate::{
 pub const GROUP: &str = "discovery.k8s.io";
 pub const GROUP_VERSION: &str = "discovery.k8s.io/v1";
 pub const KIND: &str = "EndpointSlice";
-const MANAGED_BY_LABEL: &str = "endpointslice.kubernetes.io/managed-by";
-const MANAGED_BY: &str = "endpointslice-controller.k8s.io";
 const GIT_VERSION: &str = "v1.31.0-socklb-test";
 
 pub type Body = BoxBody<Bytes, Infallible>;
@@ -35,7 +33,6 @@ pub type Body = BoxBody<Bytes, Infallible>;
 pub fn slice_labels(spec: &SliceSpec) -> BTreeMap<String, String> {
     let mut labels = spec.labels.clone();
     labels.insert(SERVICE_NAME_LABEL.to_string(), spec.service.clone());
-    labels.insert(MANAGED_BY_LABEL.to_string(), MANAGED_BY.to_string());
     labels
 }
 
@@ -284,9 +281,15 @@ pub fn collection(
         Err(message) => return (bad_request(&message), String::new()),
     };
     if watching {
+        if let Some(answer) = fault::watch_fault(server) {
+            return answer;
+        }
         return start_watch(server, selector, query);
     }
     bump(&server.stats.lists);
+    if let Some(answer) = fault::list_fault(server) {
+        return answer;
+    }
     let store = server.store();
     let items: Vec<Value> = store
         .slices

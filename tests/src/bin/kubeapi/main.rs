@@ -22,10 +22,13 @@
 //!
 //! The admin API: `PUT|DELETE /slices/{namespace}/{name}` (the body is a
 //! `socklb_tests::kube::SliceSpec`), `POST /compact` (drops the event
-//! history), `POST /close-watches`, `GET /stats`.
+//! history), `POST /close-watches`, `PUT /faults` (a
+//! `socklb_tests::kube::Faults`: watches that fail, end at once or stream
+//! a line that never ends; lists that never end), `GET /stats`.
 
 mod admin;
 mod api;
+mod fault;
 mod pki;
 mod selector;
 mod store;
@@ -44,7 +47,7 @@ use std::{
 use anyhow::{Context, Result, bail};
 use hyper::{server::conn::http1, service::service_fn};
 use hyper_util::rt::{TokioIo, TokioTimer};
-use socklb_tests::kube::{KubeApiStats, files};
+use socklb_tests::kube::{Faults, KubeApiStats, files};
 use tokio::{net::TcpListener, sync::watch as signal};
 use tokio_rustls::TlsAcceptor;
 
@@ -131,6 +134,9 @@ struct Stats {
     bookmarks_sent: AtomicU64,
     events_sent: AtomicU64,
     handshake_failures: AtomicU64,
+    endless_answers: AtomicU64,
+    endless_bytes_sent: AtomicU64,
+    failed_watches: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64) {
@@ -145,9 +151,18 @@ struct Server {
     /// Bumped by the admin API's close-watches.
     close_watches: signal::Sender<u64>,
     bookmark_interval: Duration,
+    /// How the server misbehaves (the admin API's `PUT /faults`).
+    faults: Mutex<Faults>,
 }
 
 impl Server {
+    fn faults(&self) -> Faults {
+        *self
+            .faults
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     fn store(&self) -> MutexGuard<'_, Store> {
         // A panic while holding the lock would be a bug in this file; the
         // store stays consistent between statements, so go on.
@@ -167,6 +182,9 @@ impl Server {
             events_sent: read(&self.stats.events_sent),
             handshake_failures: read(&self.stats.handshake_failures),
             resource_version: self.store().resource_version,
+            endless_answers: read(&self.stats.endless_answers),
+            endless_bytes_sent: read(&self.stats.endless_bytes_sent),
+            failed_watches: read(&self.stats.failed_watches),
         }
     }
 }
@@ -269,6 +287,7 @@ async fn run(args: Args) -> Result<()> {
         version_changed: signal::Sender::new(version),
         close_watches: signal::Sender::new(0),
         bookmark_interval: args.bookmark_interval,
+        faults: Mutex::new(Faults::default()),
     });
     tokio::spawn(serve_api(
         listener,

@@ -36,6 +36,13 @@ fn main() -> anyhow::Result<()> {
     let root_dir = ebpf_dir
         .to_str()
         .ok_or_else(|| anyhow!("the path of lb-ebpf is not UTF-8"))?;
+    // aya-build passes every line the inner cargo writes on stderr on as a
+    // `cargo:warning`, so each build would print dozens of "Compiling …"
+    // lines. A quiet inner cargo writes only its warnings and errors; a
+    // failure still shows them all, and fails this script with its status.
+    // SAFETY: this build script is single-threaded until aya-build spawns
+    // the inner cargo, which inherits the variable.
+    unsafe { env::set_var("CARGO_TERM_QUIET", "true") };
     aya_build::build_ebpf(
         [aya_build::Package {
             name: "lb-ebpf",

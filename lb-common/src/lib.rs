@@ -44,6 +44,12 @@ pub const MAX_BACKENDS: u32 = 4096;
 pub const MAX_VIPS: u32 = 256;
 /// Entries of the legacy `REDIRECTS` LRU of the first layout.
 pub const MAX_LEGACY_REDIRECTS: u32 = 65536;
+/// Sockets the socket table holds unless `socket-table-size` says
+/// otherwise (the loader sets the real size).
+pub const DEFAULT_SOCKET_TABLE_SIZE: u32 = 65536;
+/// The smallest and largest `socket-table-size` accepted.
+pub const MIN_SOCKET_TABLE_SIZE: u32 = 1024;
+pub const MAX_SOCKET_TABLE_SIZE: u32 = 1 << 22;
 /// Backends that `socklb drain` may mark at once (`DRAINS`).
 pub const MAX_DRAINS: u32 = 1024;
 /// Accelerated sockets (two per connection).
@@ -71,6 +77,15 @@ pub const SERVICE_FLAG_PREFER_LOCAL: u32 = 1 << 2;
 pub const SERVICE_FLAG_LEAST_CONN: u32 = 1 << 3;
 /// The service's connections to backends in `ACCEL` are accelerated.
 pub const SERVICE_FLAG_ACCELERATE: u32 = 1 << 4;
+/// `ServiceEntry::flags`: once the daemon's heartbeat (`LIVENESS`) is
+/// older than the table's `Liveness::gone_after_ns`, connects to the VIP
+/// proceed untouched, to whatever listens there (the balancer socklb sits
+/// in front of).
+pub const SERVICE_FLAG_HAND_BACK: u32 = 1 << 5;
+/// `ServiceEntry::flags`: `SERVICE_FLAG_HAND_BACK` (set or not) was
+/// decided by `when-daemon-gone = "auto"`. Informational, for `status`
+/// while the daemon is gone; the kernel does not read it.
+pub const SERVICE_FLAG_HAND_BACK_AUTO: u32 = 1 << 6;
 
 /// `BackendInfo::role`: an ordinary backend.
 pub const ROLE_NORMAL: u8 = 0;
@@ -93,15 +108,24 @@ pub mod features {
     /// `bpf_get_netns_cookie` in sock_addr programs (5.7), and a cookie for
     /// the daemon's namespace: without both, every namespace is redirected.
     pub const NETNS_COOKIE: u32 = 1 << 1;
-    /// `bpf_sk_storage_get` in sock_addr programs: without it the per-socket
-    /// records go to the legacy LRU, which can evict them.
-    pub const SK_STORAGE: u32 = 1 << 2;
+    /// Read the per-socket records that an install of the previous layout
+    /// keeps in socket storage (`lb_sockets_v1`): set while an upgrade
+    /// from it left sockets it redirected. Nothing writes there any more.
+    pub const LEGACY_STORAGE: u32 = 1 << 2;
     /// sockmap acceleration: `bpf_get_netns_cookie` in sock_ops and sk_msg
-    /// programs (5.15) and socket storage. Without it nothing is
-    /// accelerated.
+    /// programs (5.15). Without it nothing is accelerated.
     pub const SOCKMAP: u32 = 1 << 3;
+    /// Read the first layout's per-socket LRU (`REDIRECTS`): set while an
+    /// upgrade from it left sockets it redirected.
+    pub const LEGACY_LRU: u32 = 1 << 4;
+    /// connect4/6 ask for a redirected socket's sock_ops callbacks
+    /// themselves (`bpf_setsockopt(TCP_BPF_SOCK_OPS_CB_FLAGS)`, Linux
+    /// 6.12), so that sock_ops looks nothing up for other sockets at
+    /// TCP_CONNECT_CB. Without it sock_ops does, for every socket.
+    pub const CALLBACKS_AT_CONNECT: u32 = 1 << 5;
     /// Everything; what the object assumes until the loader says otherwise.
-    pub const ALL: u32 = SET_RETVAL | NETNS_COOKIE | SK_STORAGE | SOCKMAP;
+    pub const ALL: u32 =
+        SET_RETVAL | NETNS_COOKIE | LEGACY_STORAGE | SOCKMAP | LEGACY_LRU | CALLBACKS_AT_CONNECT;
 }
 
 /// Kinds of repair counted in `DaemonRecord::repairs`.
@@ -121,12 +145,23 @@ pub mod repair {
     pub const BACKENDS: usize = 7;
     pub const SETTINGS: usize = 8;
     pub const DRAINS: usize = 9;
+    /// A record of the socket table whose socket was gone (the sweep).
+    pub const SOCKET_RECORDS: usize = 10;
     /// Number of kinds; `DaemonRecord::repairs` has room for more.
-    pub const KINDS: usize = 10;
+    pub const KINDS: usize = 11;
     /// Name of each kind, for logs, status and metrics.
     pub const NAMES: [&str; KINDS] = [
-        "link-pin", "link", "cgroup", "map-pin", "services", "slots", "tables", "backends",
-        "settings", "drains",
+        "link-pin",
+        "link",
+        "cgroup",
+        "map-pin",
+        "services",
+        "slots",
+        "tables",
+        "backends",
+        "settings",
+        "drains",
+        "socket-records",
     ];
 }
 
@@ -139,6 +174,9 @@ mod pod {
     unsafe impl aya::Pod for ServiceEntry {}
     unsafe impl aya::Pod for BackendSlot {}
     unsafe impl aya::Pod for SocketRecord {}
+    unsafe impl aya::Pod for TrackedSocket {}
+    unsafe impl aya::Pod for SocketTableStats {}
+    unsafe impl aya::Pod for Liveness {}
     unsafe impl aya::Pod for BackendStats {}
     unsafe impl aya::Pod for TableStats {}
     unsafe impl aya::Pod for BackendInfo {}
@@ -246,7 +284,34 @@ mod tests {
             ),
         ];
         for (what, entry, random, want) in cases {
-            assert_eq!(second_slot(&entry, random), want, "{what}");
+            let mut drawn = false;
+            let second = second_slot(&entry, || {
+                drawn = true;
+                random
+            });
+            assert_eq!(second, want, "{what}");
+            assert_eq!(
+                drawn,
+                want.is_some(),
+                "{what}: a random number drawn only when used"
+            );
+        }
+    }
+
+    #[test]
+    fn every_port_has_its_own_bit_of_the_vip_ports() {
+        let cases = [(0u16, 0u32, 1u64), (80, 1, 1 << 16), (6443, 100, 1 << 43)];
+        for (port, word, mask) in cases {
+            assert_eq!(vip_port_bit(port.to_be()), (word, mask), "port {port}");
+        }
+        let (last_word, last_mask) = vip_port_bit(u16::MAX.to_be());
+        assert_eq!((last_word, last_mask), (VIP_PORT_WORDS - 1, 1 << 63));
+        // One bit per port, and the port can be read back from it: no two
+        // ports share a bit.
+        for port in 0..=u16::MAX {
+            let (word, mask) = vip_port_bit(port.to_be());
+            assert_eq!(mask.count_ones(), 1, "port {port}");
+            assert_eq!(word * 64 + mask.trailing_zeros(), u32::from(port));
         }
     }
 

@@ -7,7 +7,7 @@
 
 use core::mem::{offset_of, size_of};
 
-use crate::{FAMILY_V4, FAMILY_V6, NAME_LEN, PATH_LEN};
+use crate::{FAMILY_V4, FAMILY_V6, MAX_TABLES, NAME_LEN, PATH_LEN};
 
 /// A shared type's layout, as the compiler laid it out (checked against the
 /// literals in [`layout!`]).
@@ -104,6 +104,17 @@ pub struct BackendSlot {
 }
 layout!(BACKEND_SLOT, BackendSlot, size 24, { target @ 0, backend_id @ 20 });
 
+/// Words (`u64`) of `VIP_PORTS`: one bit for each of the 65,536 ports.
+pub const VIP_PORT_WORDS: u32 = 1024;
+
+/// Where the bit of a port (`Endpoint::port_be`, network byte order) is in
+/// `VIP_PORTS`: the index of its word and its mask in that word.
+#[inline(always)]
+pub fn vip_port_bit(port_be: u16) -> (u32, u64) {
+    let port = u16::from_be(port_be);
+    (u32::from(port >> 6), 1u64 << (port & 63))
+}
+
 /// `SocketRecord::flags`: the connection established and counts in
 /// `BackendConns::live` (so its close takes exactly one away).
 pub const SOCKET_FLAG_LIVE: u32 = 1 << 0;
@@ -167,9 +178,10 @@ impl SockKey {
     }
 }
 
-/// Value of `SOCKETS` (socket-local storage, one per redirected socket,
-/// freed with the socket), and of the legacy `REDIRECTS` LRU keyed by
-/// socket cookie: what getpeername shows and sock_ops counts.
+/// What getpeername shows and sock_ops counts of one redirected socket:
+/// inside [`TrackedSocket`] in the socket table, and, from older layouts
+/// that an upgrade reads, the value of the socket storage `SOCKETS` and of
+/// the `REDIRECTS` LRU keyed by socket cookie.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SocketRecord {
@@ -187,6 +199,71 @@ pub struct SocketRecord {
 layout!(SOCKET_RECORD, SocketRecord, size 48, {
     vip @ 0, backend @ 20, backend_id @ 40, flags @ 44,
 });
+
+/// Value of `SOCKET_TABLE`, a preallocated hash keyed by socket cookie:
+/// one entry per socket socklb redirected and follows, from its connect
+/// until it closes (sock_ops at the change to TCP_CLOSE, or cgroup
+/// sock_release for a socket that never got that far). Its memory is
+/// fixed when the map is created; a connect that finds the table full is
+/// redirected all the same and counted in `SocketTableStats::untracked`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TrackedSocket {
+    pub record: SocketRecord,
+    /// Cookie of the socket's network namespace (0 when the kernel gives
+    /// none): the daemon's sweep can only see sockets of its own.
+    pub netns_cookie: u64,
+}
+layout!(TRACKED_SOCKET, TrackedSocket, size 56, { record @ 0, netns_cookie @ 48 });
+
+/// The single value of `SOCKET_TABLE_STATS` (per CPU).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SocketTableStats {
+    /// Connects redirected without a record: the socket table was full (or
+    /// the socket refused its callbacks). getpeername shows such a socket
+    /// its backend, and live counts leave it out.
+    pub untracked: u64,
+}
+layout!(SOCKET_TABLE_STATS, SocketTableStats, size 8, { untracked @ 0 });
+
+/// The single value of `LIVENESS`: the daemon's heartbeat as connect4/6
+/// read it, for services with `SERVICE_FLAG_HAND_BACK`. Written by the
+/// daemon on every heartbeat.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Liveness {
+    /// `CLOCK_BOOTTIME` of the last heartbeat, in ns (what
+    /// `bpf_ktime_get_boot_ns` reads).
+    pub heartbeat_ns: u64,
+    /// Per table id: the heartbeat's age past which the daemon counts as
+    /// gone and the table's VIPs are handed back; 0 keeps redirecting.
+    pub gone_after_ns: [u64; MAX_TABLES as usize],
+}
+layout!(LIVENESS, Liveness, size 520, { heartbeat_ns @ 0, gone_after_ns @ 8 });
+
+impl Default for Liveness {
+    fn default() -> Self {
+        Self {
+            heartbeat_ns: 0,
+            gone_after_ns: [0; MAX_TABLES as usize],
+        }
+    }
+}
+
+impl Liveness {
+    /// Whether a table's VIPs are handed back at `now_ns`, its daemon
+    /// having been silent for longer than the table allows.
+    #[inline(always)]
+    pub fn handed_back(&self, table_id: u32, now_ns: u64) -> bool {
+        match self.gone_after_ns.get(table_id as usize) {
+            Some(&gone_after) if gone_after != 0 => {
+                now_ns.wrapping_sub(self.heartbeat_ns) as i64 > gone_after as i64
+            }
+            _ => false,
+        }
+    }
+}
 
 /// Value of `BACKEND_CONNS`, indexed by backend id: what the sock_ops
 /// program sees of the connections socklb redirected. Shared by all CPUs and
@@ -363,7 +440,10 @@ impl Default for DaemonRecord {
 }
 
 /// Every shared type's layout, for the ABI test.
-pub const LAYOUTS: [Layout; 13] = [
+pub const LAYOUTS: [Layout; 16] = [
+    TRACKED_SOCKET,
+    SOCKET_TABLE_STATS,
+    LIVENESS,
     ENDPOINT,
     SERVICE_ENTRY,
     BACKEND_SLOT,
@@ -381,9 +461,13 @@ pub const LAYOUTS: [Layout; 13] = [
 
 /// (map name, key size, value size) of every map with a fixed layout, for
 /// the ABI test: the embedded object must define each exactly so.
-pub const MAP_SIZES: [(&str, usize, usize); 15] = [
+pub const MAP_SIZES: [(&str, usize, usize); 19] = [
+    (crate::names::VIP_PORTS, 4, 8),
     (crate::names::SERVICES, 20, 24),
     (crate::names::SLOTS, 4, 24),
+    (crate::names::SOCKET_TABLE, 8, 56),
+    (crate::names::SOCKET_TABLE_STATS, 4, 8),
+    (crate::names::LIVENESS, 4, 520),
     (crate::names::SOCKETS, 4, 48),
     (crate::names::BACKEND_STATS, 4, 8),
     (crate::names::TABLE_STATS, 4, 16),

@@ -9,9 +9,22 @@
 
 /// VIP → current selection table.
 pub const SERVICES: &str = "lb_services_v1";
+/// The ports some VIP uses, one bit each: connect4/6 look a VIP up only
+/// for a connect to such a port.
+pub const VIP_PORTS: &str = "lb_vports_v1";
 /// Selection tables, two banks per table.
 pub const SLOTS: &str = "lb_slots_v1";
-/// Per-socket facts of redirected sockets (socket-local storage).
+/// Per-socket records of the sockets socklb follows, by socket cookie (a
+/// preallocated hash; its size is `socket-table-size`).
+pub const SOCKET_TABLE: &str = "lb_socktab_v1";
+/// Connects redirected without a record, the table being full (per CPU).
+pub const SOCKET_TABLE_STATS: &str = "lb_sockstat_v1";
+/// The daemon's heartbeat as the connect programs read it, and how long
+/// each table waits before handing its VIPs back.
+pub const LIVENESS: &str = "lb_liveness_v1";
+/// The previous layout's per-socket records (socket-local storage). Kept
+/// pinned only while sockets it redirected before an upgrade live:
+/// getpeername and sock_ops read it for them, and nothing writes it.
 pub const SOCKETS: &str = "lb_sockets_v1";
 /// Redirect counters per backend (per CPU).
 pub const BACKEND_STATS: &str = "lb_bstats_v1";
@@ -52,10 +65,13 @@ pub const AYA_LOGS: &str = "AYA_LOGS";
 pub const LEGACY_REDIRECTS: &str = "REDIRECTS";
 
 /// Every map socklb pins, in the order a fresh install creates them.
-pub const MAPS: [&str; 17] = [
+pub const MAPS: [&str; 20] = [
     SERVICES,
+    VIP_PORTS,
     SLOTS,
-    SOCKETS,
+    SOCKET_TABLE,
+    SOCKET_TABLE_STATS,
+    LIVENESS,
     BACKEND_STATS,
     TABLE_STATS,
     BACKENDS,
@@ -77,11 +93,28 @@ pub const CONNECT6: &str = "socklb_connect6";
 pub const GETPEERNAME4: &str = "socklb_getpeername4";
 pub const GETPEERNAME6: &str = "socklb_getpeername6";
 pub const SOCKOPS: &str = "socklb_sockops";
+pub const RELEASE: &str = "socklb_release";
 
-/// Every program socklb attaches to the cgroup, each with one pinned link.
-pub const PROGRAMS: [&str; 5] = [CONNECT4, CONNECT6, GETPEERNAME4, GETPEERNAME6, SOCKOPS];
+/// Every program socklb attaches to the cgroup, each with one pinned link,
+/// in the order they are attached (or switched in place by an upgrade):
+/// the programs that follow a socket to its end first, so that every
+/// socket the new connect programs redirect is followed by programs that
+/// know their records.
+pub const PROGRAMS: [&str; 6] = [
+    SOCKOPS,
+    RELEASE,
+    CONNECT4,
+    CONNECT6,
+    GETPEERNAME4,
+    GETPEERNAME6,
+];
 /// The sk_msg program, attached to `SOCKHASH` (the map holds it; no link).
 pub const SKMSG: &str = "socklb_skmsg";
+/// Never attached: the daemon's sweep runs it to take a connection off a
+/// live count atomically.
+pub const UNCOUNT: &str = "socklb_uncount";
+/// Every program of the object that is not attached to the cgroup.
+pub const UNATTACHED: [&str; 2] = [SKMSG, UNCOUNT];
 
 /// Globals in the object's read-only data that the loader sets.
 pub mod globals {

@@ -54,11 +54,12 @@ pub fn choose_slot(entry: &ServiceEntry, random: u32) -> SlotChoice {
 
 /// The second candidate of least-conn (power of two choices): another
 /// random slot of the healthy list, when the policy asks for one and the
-/// list has more than one slot.
+/// list has more than one slot. `random` is called only then: the other
+/// policies pay for no second random number.
 #[inline(always)]
-pub fn second_slot(entry: &ServiceEntry, random: u32) -> Option<u32> {
+pub fn second_slot(entry: &ServiceEntry, random: impl FnOnce() -> u32) -> Option<u32> {
     let wanted = entry.flags & SERVICE_FLAG_LEAST_CONN != 0 && entry.healthy_slots > 1;
-    (wanted && is_sound(entry)).then(|| entry.bank_base + random % entry.healthy_slots)
+    (wanted && is_sound(entry)).then(|| entry.bank_base + random() % entry.healthy_slots)
 }
 
 /// Power of two choices: whether the second of two candidates should win,

@@ -4,14 +4,18 @@
 //! The library holds everything; the `socklb` binary is a thin CLI over it.
 
 pub mod cgroup;
+pub mod clock;
 pub mod config;
+pub mod convert;
 pub mod daemon;
 pub mod dataplane;
 pub mod discovery;
 pub mod errors;
+pub mod hand_back;
 pub mod health;
 pub mod planner;
 pub mod privileges;
+pub mod protocol;
 pub mod sockets;
 pub mod status;
 pub mod trust;

@@ -12,12 +12,21 @@ use std::{
 };
 
 use lb_common::{
-    Endpoint, FAMILY_V4, FAMILY_V6, MAX_BACKENDS, MAX_TABLES, SERVICE_FLAG_ACCELERATE,
-    SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_LEAST_CONN, SERVICE_FLAG_PREFER_LOCAL,
-    SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY, SLOTS_PER_LIST,
+    FAMILY_V4, FAMILY_V6, MAX_BACKENDS, MAX_TABLES, SERVICE_FLAG_ACCELERATE,
+    SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_HAND_BACK, SERVICE_FLAG_HAND_BACK_AUTO,
+    SERVICE_FLAG_LEAST_CONN, SERVICE_FLAG_PREFER_LOCAL, SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY,
+    SLOTS_PER_LIST,
 };
 
-use crate::config::{BackendRole, Config, HealthSettings, NoneHealthyPolicy, SelectionPolicy};
+use crate::{
+    config::{
+        BackendRole, Config, HealthSettings, NoneHealthyPolicy, SelectionPolicy, WhenDaemonGone,
+        weight_divisor,
+    },
+    convert::family_of,
+    hand_back::HandBackChoice,
+    sockets::Listening,
+};
 
 /// Priority tier of a backend: the healthy backends of the best tier that
 /// has any make up the table. Lower is better.
@@ -57,6 +66,11 @@ pub struct TableLayout {
     pub slow_start: Option<std::time::Duration>,
     /// The service's rebalancing (None: off).
     pub rebalance: Option<crate::config::Rebalance>,
+    /// Where the VIPs are handed back once the daemon is gone: how old the
+    /// heartbeat may get before they are (None: keep redirecting).
+    pub hand_back_after: Option<std::time::Duration>,
+    /// The service's `when-daemon-gone`, what applies and why.
+    pub hand_back: HandBackChoice,
     pub vips: Vec<SocketAddr>,
     pub backends: Vec<BackendLayout>,
 }
@@ -100,17 +114,25 @@ fn assign_ids(wanted: &[Option<u32>], limit: u32, busy: &HashSet<u32>) -> Vec<u3
 impl Layout {
     /// `is_local(ip)` says whether an address belongs to this host; it
     /// matters for the prefer-local policy and for acceleration. Ids follow
-    /// config order.
+    /// config order. `when-daemon-gone = "auto"` is decided as if nothing
+    /// else listened on the VIPs.
     pub fn from_config(config: &Config, is_local: impl Fn(IpAddr) -> bool) -> Self {
-        Self::keeping(config, is_local, &KnownIds::default())
+        Self::keeping(config, is_local, &KnownIds::default(), &[])
     }
 
     /// Like `from_config`, but keeping the ids of `known`: a table keeps
     /// its id as long as its service has VIPs of its family, a backend as
     /// long as its service lists its address, whatever the order of the
     /// file. Counters indexed by id thus stay true across any edit.
-    pub fn keeping(config: &Config, is_local: impl Fn(IpAddr) -> bool, known: &KnownIds) -> Self {
-        let mut layout = Self::in_config_order(config, is_local);
+    /// `listeners` are the sockets other than socklb's that listen on the
+    /// VIPs: they decide `when-daemon-gone = "auto"`.
+    pub fn keeping(
+        config: &Config,
+        is_local: impl Fn(IpAddr) -> bool,
+        known: &KnownIds,
+        listeners: &[Listening],
+    ) -> Self {
+        let mut layout = Self::in_config_order(config, is_local, listeners);
         let table_ids = assign_ids(
             &layout
                 .tables
@@ -148,7 +170,11 @@ impl Layout {
         layout
     }
 
-    fn in_config_order(config: &Config, is_local: impl Fn(IpAddr) -> bool) -> Self {
+    fn in_config_order(
+        config: &Config,
+        is_local: impl Fn(IpAddr) -> bool,
+        listeners: &[Listening],
+    ) -> Self {
         let mut tables = Vec::new();
         let mut next_backend_id = 0;
         for service in &config.services {
@@ -168,6 +194,15 @@ impl Layout {
             }
             if service.accelerate {
                 flags |= SERVICE_FLAG_ACCELERATE;
+            }
+            let hand_back =
+                HandBackChoice::decide(service.when_daemon_gone, &service.vips, listeners);
+            let hand_back_after = hand_back.hand_back.then_some(service.daemon_gone_after);
+            if hand_back.hand_back {
+                flags |= SERVICE_FLAG_HAND_BACK;
+            }
+            if service.when_daemon_gone == WhenDaemonGone::Auto {
+                flags |= SERVICE_FLAG_HAND_BACK_AUTO;
             }
             for family in [FAMILY_V4, FAMILY_V6] {
                 let vips: Vec<SocketAddr> = service
@@ -211,6 +246,8 @@ impl Layout {
                     health: service.health.clone(),
                     slow_start: service.slow_start,
                     rebalance: service.rebalance,
+                    hand_back_after,
+                    hand_back: hand_back.clone(),
                     vips,
                     backends,
                 });
@@ -334,55 +371,6 @@ pub fn expand_weights(members: &[(u32, u32)], capacity: usize) -> Vec<u32> {
     list
 }
 
-/// The greatest common divisor of the weights (at least 1): dividing by it
-/// keeps the ratios and uses the fewest slots.
-pub fn weight_divisor(weights: &[u32]) -> u32 {
-    weights
-        .iter()
-        .fold(0, |acc, &weight| gcd(acc, weight))
-        .max(1)
-}
-
-fn gcd(a: u32, b: u32) -> u32 {
-    if b == 0 { a } else { gcd(b, a % b) }
-}
-
-/// The family constant of an address.
-pub fn family_of(addr: &SocketAddr) -> u8 {
-    if addr.is_ipv4() { FAMILY_V4 } else { FAMILY_V6 }
-}
-
-/// A socket address as the kernel sees it: network byte order.
-pub fn endpoint(addr: &SocketAddr) -> Endpoint {
-    let port_be = addr.port().to_be();
-    match addr.ip() {
-        IpAddr::V4(ip) => Endpoint::v4(u32::from_ne_bytes(ip.octets()), port_be),
-        IpAddr::V6(ip) => {
-            let octets = ip.octets();
-            let word = |i: usize| {
-                u32::from_ne_bytes([octets[i], octets[i + 1], octets[i + 2], octets[i + 3]])
-            };
-            Endpoint::v6([word(0), word(4), word(8), word(12)], port_be)
-        }
-    }
-}
-
-/// The inverse of [`endpoint`]; `None` for a malformed family.
-pub fn socket_addr(endpoint: &Endpoint) -> Option<SocketAddr> {
-    let port = u16::from_be(endpoint.port_be);
-    match endpoint.family {
-        FAMILY_V4 => Some(SocketAddr::from((endpoint.addr_be[0].to_ne_bytes(), port))),
-        FAMILY_V6 => {
-            let mut octets = [0u8; 16];
-            for (chunk, word) in octets.chunks_mut(4).zip(endpoint.addr_be) {
-                chunk.copy_from_slice(&word.to_ne_bytes());
-            }
-            Some(SocketAddr::from((octets, port)))
-        }
-        _ => None,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::collections::HashMap;
@@ -441,7 +429,7 @@ mod tests {
             when-none-healthy = "reject"
             backends = ["127.0.0.3:1", "[::1]:2", "127.0.0.8:1", "127.0.0.2:1,weight=2"]
         "#;
-        let second = Layout::keeping(&parse_toml(edited).unwrap(), |_| false, &known);
+        let second = Layout::keeping(&parse_toml(edited).unwrap(), |_| false, &known, &[]);
         let ids = backend_ids(&second);
         let id = |service: &str, addr: &str| ids[&(service.to_string(), addr.parse().unwrap())];
         // (what, kept id or expected id)
@@ -480,6 +468,124 @@ mod tests {
     }
 
     #[test]
+    fn a_service_that_hands_back_says_so_in_its_flags_and_its_patience() {
+        let layout = layout(
+            r#"
+            [[service]]
+            name = "api"
+            vips = ["127.0.0.1:6444", "[::1]:6444"]
+            backends = ["127.0.0.2:1", "[::1]:2"]
+            when-daemon-gone = "hand-back"
+            daemon-gone-after = "3s"
+            [[service]]
+            name = "etcd"
+            vips = ["127.0.0.1:2379"]
+            backends = ["127.0.0.4:1"]
+            "#,
+        );
+        let summary: Vec<(u32, bool, Option<std::time::Duration>)> = layout
+            .tables
+            .iter()
+            .map(|t| {
+                (
+                    t.table_id,
+                    t.flags & SERVICE_FLAG_HAND_BACK != 0,
+                    t.hand_back_after,
+                )
+            })
+            .collect();
+        let three = Some(std::time::Duration::from_secs(3));
+        assert_eq!(
+            summary,
+            [(0, true, three), (1, true, three), (2, false, None)]
+        );
+        let liveness = crate::dataplane::tables::liveness(&layout, 77);
+        assert_eq!(liveness.heartbeat_ns, 77);
+        assert_eq!(
+            liveness.gone_after_ns[..3],
+            [3_000_000_000, 3_000_000_000, 0]
+        );
+        let cases = [
+            ("table 0, 3 s after the beat", 0, 77 + 3_000_000_000, false),
+            ("table 0, past 3 s", 0, 78 + 3_000_000_000, true),
+            ("table 2 keeps redirecting", 2, u64::MAX, false),
+            ("a beat later than the clock", 0, 10, false),
+            ("a table past the end", 99, u64::MAX, false),
+        ];
+        for (what, table_id, now, handed_back) in cases {
+            assert_eq!(liveness.handed_back(table_id, now), handed_back, "{what}");
+        }
+    }
+
+    /// `auto` (the default) hands back the services whose VIPs have a
+    /// listener, and the flags say it was auto's choice.
+    #[test]
+    fn auto_hands_back_where_another_socket_listens_on_a_vip() {
+        let config = parse_toml(
+            r#"
+            [[service]]
+            name = "api"
+            vips = ["127.0.0.1:6444"]
+            backends = ["127.0.0.2:1"]
+            [[service]]
+            name = "etcd"
+            vips = ["127.0.0.1:2379"]
+            backends = ["127.0.0.4:1"]
+            [[service]]
+            name = "supervisor"
+            vips = ["127.0.0.1:9345"]
+            backends = ["127.0.0.5:1"]
+            when-daemon-gone = "keep"
+            "#,
+        )
+        .unwrap();
+        let agent = |port| Listening {
+            addr: SocketAddr::from(([0, 0, 0, 0], port)),
+            v6_only: false,
+        };
+        let layout = Layout::keeping(
+            &config,
+            |_| false,
+            &KnownIds::default(),
+            &[agent(6444), agent(9345)],
+        );
+        let summary: Vec<(&str, bool, bool, Option<std::time::Duration>, String)> = layout
+            .tables
+            .iter()
+            .map(|t| {
+                (
+                    t.service.as_str(),
+                    t.flags & SERVICE_FLAG_HAND_BACK != 0,
+                    t.flags & SERVICE_FLAG_HAND_BACK_AUTO != 0,
+                    t.hand_back_after,
+                    t.hand_back.to_string(),
+                )
+            })
+            .collect();
+        let ten = Some(crate::config::DEFAULT_DAEMON_GONE_AFTER);
+        assert_eq!(
+            summary,
+            [
+                (
+                    "api",
+                    true,
+                    true,
+                    ten,
+                    "auto: hand-back (127.0.0.1:6444 has a listener)".into()
+                ),
+                (
+                    "etcd",
+                    false,
+                    true,
+                    None,
+                    "auto: keep (nothing else listens on 127.0.0.1:2379)".into()
+                ),
+                ("supervisor", false, false, None, "keep (configured)".into()),
+            ]
+        );
+    }
+
+    #[test]
     fn layout_assigns_ids_per_family_in_order() {
         let layout = layout(TWO_FAMILIES);
         let summary: Vec<(u32, &str, u8, Vec<u32>, u32)> = layout
@@ -491,7 +597,8 @@ mod tests {
                     t.service.as_str(),
                     t.family,
                     t.backends.iter().map(|b| b.id).collect(),
-                    t.flags,
+                    // auto (the default) says so in every table's flags.
+                    t.flags & !SERVICE_FLAG_HAND_BACK_AUTO,
                 )
             })
             .collect();
@@ -640,23 +747,6 @@ mod tests {
             counts[&6] > counts[&0],
             "weight 7 gets more slots than weight 1"
         );
-    }
-
-    #[test]
-    fn endpoint_round_trip() {
-        for text in [
-            "127.0.0.1:6444",
-            "[::1]:443",
-            "[fd00::1:2]:65535",
-            "198.18.0.1:1",
-        ] {
-            let addr: SocketAddr = text.parse().unwrap();
-            assert_eq!(socket_addr(&endpoint(&addr)), Some(addr), "{text}");
-        }
-        let v4 = endpoint(&"127.0.0.1:6444".parse().unwrap());
-        // Network byte order in memory: 127 is the first byte.
-        assert_eq!(v4.addr_be[0].to_ne_bytes(), [127, 0, 0, 1]);
-        assert_eq!(v4.port_be.to_ne_bytes(), 6444u16.to_be_bytes());
     }
 
     #[test]

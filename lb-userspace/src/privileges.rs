@@ -71,6 +71,25 @@ impl fmt::Display for MissingPrivileges {
     }
 }
 
+/// Why a command cannot start its work.
+#[derive(Debug, thiserror::Error)]
+pub enum PrivilegeError {
+    #[error(transparent)]
+    Missing(#[from] MissingPrivileges),
+    /// bpf(2) answers EPERM although this process holds CAP_BPF.
+    #[error(
+        "socklb {command} holds CAP_BPF, yet bpf(2) fails ({refusal}): {blocker}. \
+         In a container, the runtime's default seccomp profile allows bpf(2) to CAP_BPF from \
+         containerd 1.7 and containers-common 0.60 (CRI-O 1.31) on; with an older runtime set \
+         seccompProfile to Unconfined, or to a profile that allows bpf"
+    )]
+    BpfRefused {
+        command: &'static str,
+        refusal: std::io::Error,
+        blocker: &'static str,
+    },
+}
+
 /// The effective capability set, from `/proc/self/status`.
 fn effective() -> u64 {
     std::fs::read_to_string("/proc/self/status")
@@ -87,21 +106,48 @@ fn parse_effective(status: &str) -> Option<u64> {
 }
 
 /// Fails, naming what is missing, unless this process has every capability
-/// in `needed`.
-pub fn require(command: &'static str, needed: &[Capability]) -> Result<(), MissingPrivileges> {
+/// in `needed`, and, when that includes CAP_BPF, bpf(2) gets through.
+pub fn require(command: &'static str, needed: &[Capability]) -> Result<(), PrivilegeError> {
     let have = effective();
     let missing: Vec<Capability> = needed
         .iter()
         .copied()
         .filter(|cap| have & (1 << cap.bit()) == 0)
         .collect();
-    if missing.is_empty() {
+    if !missing.is_empty() {
+        return Err(MissingPrivileges {
+            command,
+            needed: needed.to_vec(),
+            missing,
+        }
+        .into());
+    }
+    if !needed.contains(&Capability::Bpf) {
         return Ok(());
     }
-    Err(MissingPrivileges {
-        command,
-        needed: needed.to_vec(),
-        missing,
+    match crate::dataplane::sys::try_map_create() {
+        Err(refusal) if refusal.raw_os_error() == Some(libc::EPERM) => {
+            Err(PrivilegeError::BpfRefused {
+                command,
+                refusal,
+                blocker: if under_seccomp() {
+                    "this process runs under a seccomp filter, which refuses it"
+                } else {
+                    "a security module refuses it"
+                },
+            })
+        }
+        // Anything else is for the install to report in its place.
+        _ => Ok(()),
+    }
+}
+
+/// Whether a seccomp filter applies to this process (`Seccomp: 2`).
+fn under_seccomp() -> bool {
+    std::fs::read_to_string("/proc/self/status").is_ok_and(|status| {
+        status
+            .lines()
+            .any(|line| line.split_whitespace().collect::<Vec<_>>() == ["Seccomp:", "2"])
     })
 }
 
@@ -127,5 +173,22 @@ mod tests {
             error.to_string(),
             "socklb run needs root, or CAP_BPF and CAP_NET_ADMIN (this process lacks CAP_NET_ADMIN)"
         );
+    }
+
+    #[test]
+    fn a_refused_bpf_call_is_named_with_its_cause_and_the_way_out() {
+        let error = PrivilegeError::BpfRefused {
+            command: "run",
+            refusal: std::io::Error::from_raw_os_error(libc::EPERM),
+            blocker: "this process runs under a seccomp filter, which refuses it",
+        };
+        let message = error.to_string();
+        assert!(
+            message
+                .starts_with("socklb run holds CAP_BPF, yet bpf(2) fails (Operation not permitted"),
+            "{message}"
+        );
+        assert!(message.contains("containerd 1.7"), "{message}");
+        assert!(!message.contains('\n'), "one line: {message}");
     }
 }

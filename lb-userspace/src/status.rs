@@ -8,22 +8,30 @@ use std::{
     collections::{BTreeMap, HashMap},
     fmt,
     os::fd::AsFd,
-    path::{Path, PathBuf},
+    path::Path,
     time::Duration,
 };
 
 use lb_common::{
-    DAEMON_FLAG_RUNNING, DaemonRecord, PATH_LEN, ROLE_PREFERRED, ROLE_STANDBY,
-    SERVICE_FLAG_ACCELERATE, SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_LEAST_CONN,
-    SERVICE_FLAG_PREFER_LOCAL, SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY, SLOTS_PER_LIST, ServiceEntry,
-    SockKey, names, repair,
+    DAEMON_FLAG_RUNNING, DaemonRecord, ROLE_PREFERRED, ROLE_STANDBY, SERVICE_FLAG_ACCELERATE,
+    SERVICE_FLAG_ALL_NETNS, SERVICE_FLAG_HAND_BACK, SERVICE_FLAG_HAND_BACK_AUTO,
+    SERVICE_FLAG_LEAST_CONN, SERVICE_FLAG_PREFER_LOCAL, SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY,
+    SLOTS_PER_LIST, ServiceEntry, SockKey, names, repair,
 };
 use serde::Serialize;
 
 use crate::{
-    daemon::boottime_ns,
-    dataplane::{MapStore, PinPaths, sys, tables::table_name},
-    planner::socket_addr,
+    clock::{self, boottime_ns},
+    config::WhenDaemonGone,
+    convert::{path_of, socket_addr},
+    dataplane::{
+        LinkProblem, MapStore, PinPaths,
+        links::{LinkSource, check_links},
+        sys,
+        tables::table_name,
+    },
+    hand_back::{self, HandBackChoice},
+    protocol::DaemonInfo,
 };
 
 /// A heartbeat older than this means the daemon is not running.
@@ -37,7 +45,7 @@ pub struct StatusReport {
     /// What the running daemon says of its configuration and discovery
     /// (through its control socket); absent while it does not answer.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub daemon_info: Option<crate::daemon::control::DaemonInfo>,
+    pub daemon_info: Option<DaemonInfo>,
 }
 
 #[derive(Debug, Serialize, PartialEq, Eq)]
@@ -61,6 +69,36 @@ pub struct DataPlaneStatus {
     /// Repairs made since install.
     pub repairs: u64,
     pub repairs_by_kind: BTreeMap<String, u64>,
+    /// The kernel's table of the sockets socklb follows (absent in an
+    /// install of an older socklb).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub socket_table: Option<SocketTableStatus>,
+}
+
+/// The kernel's table of redirected sockets: fixed in size and memory.
+#[derive(Debug, Serialize, PartialEq, Eq)]
+pub struct SocketTableStatus {
+    /// Sockets it can hold (`socket-table-size`).
+    pub capacity: u32,
+    /// Sockets it holds now: redirected and not yet closed.
+    pub tracked: u64,
+    /// Kernel memory it takes, all of it allocated when it was made.
+    pub memory_bytes: u64,
+    /// Connects redirected without a record since install, the table being
+    /// full: getpeername shows them their backend, least-conn does not
+    /// count them.
+    pub untracked: u64,
+}
+
+impl From<crate::dataplane::SocketTableUse> for SocketTableStatus {
+    fn from(table: crate::dataplane::SocketTableUse) -> Self {
+        Self {
+            capacity: table.capacity,
+            tracked: table.tracked,
+            memory_bytes: table.memory_bytes,
+            untracked: table.untracked,
+        }
+    }
 }
 
 #[derive(Debug, Serialize, PartialEq, Eq)]
@@ -78,7 +116,38 @@ pub struct ServiceStatus {
     pub none_healthy: u64,
     /// Of those, connects refused by the reject policy.
     pub rejected: u64,
+    /// What the VIPs do once the daemon is gone, and whether they are
+    /// handed back now.
+    pub when_daemon_gone: HandBackStatus,
     pub backends: Vec<BackendStatus>,
+}
+
+/// A service's `when-daemon-gone`, as the kernel holds it: what is
+/// configured and what applies (the table's flags), why, and whether the
+/// kernel hands the VIPs back now (the heartbeat it reads is older than
+/// `daemon-gone-after`).
+#[derive(Debug, Default, Serialize, PartialEq, Eq)]
+pub struct HandBackStatus {
+    /// "auto", "keep" or "hand-back".
+    pub configured: String,
+    /// "keep" or "hand-back".
+    pub effective: String,
+    /// Why it applies: "127.0.0.1:6444 has a listener", "configured", …
+    /// With auto, from the listeners on the VIPs now; it says so where
+    /// they differ from what the last start or reload found.
+    pub reason: String,
+    /// How old the heartbeat may get before the VIPs are handed back.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub daemon_gone_after_ms: Option<u64>,
+    /// The kernel leaves the VIPs' connects alone now: they reach
+    /// whatever listens there.
+    pub handed_back: bool,
+    /// Since when (UTC), while handed back.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub handed_back_since: Option<String>,
+    /// For how long, while handed back.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub handed_back_for_ms: Option<u64>,
 }
 
 #[derive(Debug, Serialize, PartialEq, Eq)]
@@ -107,11 +176,6 @@ pub struct BackendStatus {
     pub accelerated: Option<u64>,
 }
 
-fn path_of(field: &[u8; PATH_LEN]) -> Option<PathBuf> {
-    let end = field.iter().position(|&byte| byte == 0).unwrap_or(PATH_LEN);
-    (end > 0).then(|| PathBuf::from(String::from_utf8_lossy(&field[..end]).into_owned()))
-}
-
 fn daemon_status(record: Option<&DaemonRecord>, now_ns: u64) -> DaemonStatus {
     let Some(record) = record.filter(|record| record.pid != 0) else {
         return DaemonStatus {
@@ -134,45 +198,44 @@ fn daemon_status(record: Option<&DaemonRecord>, now_ns: u64) -> DaemonStatus {
 }
 
 /// What is wrong with the links, the cgroup and the pins, seen from the
-/// kernel alone.
+/// kernel alone (the check the daemon's verification makes too).
 fn link_problems(paths: &PinPaths, cgroup_path: Option<&Path>, cgroup_id: u64) -> Vec<String> {
-    let mut problems = Vec::new();
-    if let Some(path) = cgroup_path {
-        match crate::dataplane::CgroupTarget::current_id(path) {
-            None => problems.push(format!("the cgroup {} is gone", path.display())),
-            Some(id) if id != cgroup_id => problems.push(format!(
-                "the cgroup {} was created again (id {cgroup_id} → {id}); the links attach to the old one",
-                path.display()
-            )),
-            Some(_) => {}
-        }
-    }
-    for (program, path) in paths.links() {
-        let Ok(fd) = sys::open_pinned(&path) else {
-            problems.push(format!(
-                "the link of {program} is not pinned ({})",
-                path.display()
-            ));
-            continue;
-        };
-        match sys::link_info(fd.as_fd()) {
-            Ok(info) if info.cgroup_id == 0 => {
-                problems.push(format!("the link of {program} is detached"))
-            }
-            Ok(info) if info.cgroup_id != cgroup_id => problems.push(format!(
-                "the link of {program} attaches to cgroup id {}, not {cgroup_id}",
-                info.cgroup_id
-            )),
-            Ok(_) => {}
-            Err(error) => problems.push(format!("the link of {program}: {error}")),
-        }
-    }
+    let mut problems: Vec<String> = check_links(paths, cgroup_path, cgroup_id, LinkSource::Pins)
+        .into_iter()
+        .map(|problem| link_problem_text(&problem, paths, cgroup_path, cgroup_id))
+        .collect();
     for (name, path) in paths.maps() {
         if !path.exists() {
             problems.push(format!("the map {name} is not pinned ({})", path.display()));
         }
     }
     problems
+}
+
+/// A link problem as status says it: the state found, not the event.
+fn link_problem_text(
+    problem: &LinkProblem,
+    paths: &PinPaths,
+    cgroup_path: Option<&Path>,
+    cgroup_id: u64,
+) -> String {
+    let cgroup = cgroup_path.map_or_else(String::new, |path| path.display().to_string());
+    match problem {
+        LinkProblem::CgroupGone => format!("the cgroup {cgroup} is gone"),
+        LinkProblem::CgroupRecreated { new_id } => format!(
+            "the cgroup {cgroup} was created again (id {cgroup_id} → {new_id}); the links attach to the old one"
+        ),
+        LinkProblem::Detached { program } => format!("the link of {program} is detached"),
+        LinkProblem::AttachedElsewhere {
+            program,
+            cgroup_id: elsewhere,
+        } => format!("the link of {program} attaches to cgroup id {elsewhere}, not {cgroup_id}"),
+        LinkProblem::PinMissing { program } => format!(
+            "the link of {program} is not pinned ({})",
+            paths.link(program).display()
+        ),
+        LinkProblem::NotListed { .. } | LinkProblem::PinReplaced { .. } => problem.to_string(),
+    }
 }
 
 /// The sockhash without its sk_msg program: connections paired from then
@@ -265,6 +328,16 @@ pub fn read(store: &dyn MapStore, paths: &PinPaths) -> StatusReport {
             None => "no daemon has run this install; health verdicts are frozen".into(),
         });
     }
+    let socket_table = store.socket_table().ok().map(SocketTableStatus::from);
+    if let Some(table) = socket_table
+        .as_ref()
+        .filter(|table| table.tracked >= u64::from(table.capacity))
+    {
+        problems.push(format!(
+            "the socket table is full ({} sockets): further connects are redirected untracked; raise socket-table-size",
+            table.capacity
+        ));
+    }
     let repairs = record.map(|record| record.repairs).unwrap_or([0; 16]);
     let data_plane = DataPlaneStatus {
         attached,
@@ -277,12 +350,102 @@ pub fn read(store: &dyn MapStore, paths: &PinPaths) -> StatusReport {
             .filter(|(_, count)| *count > 0)
             .map(|(name, count)| ((*name).to_string(), count))
             .collect(),
+        socket_table,
     };
+    let mut services = services(store, &entries, backend_records);
+    let own_pid = record
+        .as_ref()
+        .filter(|_| daemon.running)
+        .map(|record| record.pid);
+    hand_back_status(store, &mut services, own_pid);
     StatusReport {
         daemon,
         data_plane,
-        services: services(store, &entries, backend_records),
+        services,
         daemon_info: None,
+    }
+}
+
+/// Fills each service's `when_daemon_gone` from its tables' flags, the
+/// heartbeat the connect programs read, and, for auto, the listeners on
+/// its VIPs now (other than the running daemon's own sockets).
+fn hand_back_status(store: &dyn MapStore, services: &mut [ServiceStatus], own_pid: Option<u32>) {
+    let liveness = store.liveness().unwrap_or_default();
+    let now_ns = boottime_ns();
+    let mut tables = store.tables().unwrap_or_default();
+    tables.sort_by_key(|(id, _)| *id);
+    for service in services.iter_mut() {
+        let mine: Vec<(u32, u32)> = tables
+            .iter()
+            .filter(|(_, info)| table_name(info) == service.name)
+            .map(|(id, info)| (*id, info.flags))
+            .collect();
+        let flags = mine.first().map_or(0, |(_, flags)| *flags);
+        let status = &mut service.when_daemon_gone;
+        status.configured = configured_mode(flags).as_str().into();
+        status.effective = if flags & SERVICE_FLAG_HAND_BACK != 0 {
+            "hand-back"
+        } else {
+            "keep"
+        }
+        .into();
+        status.reason = reason(flags, &service.vips, own_pid);
+        let Some(&(table_id, _)) = mine
+            .iter()
+            .find(|(_, flags)| flags & SERVICE_FLAG_HAND_BACK != 0)
+        else {
+            continue;
+        };
+        let gone_after = liveness
+            .gone_after_ns
+            .get(table_id as usize)
+            .copied()
+            .unwrap_or(0);
+        status.daemon_gone_after_ms = (gone_after != 0).then_some(gone_after / 1_000_000);
+        if liveness.handed_back(table_id, now_ns) {
+            let since_ns = liveness.heartbeat_ns.saturating_add(gone_after);
+            status.handed_back = true;
+            status.handed_back_since = Some(clock::rfc3339(clock::wall_time_of(since_ns)));
+            status.handed_back_for_ms = Some(now_ns.saturating_sub(since_ns) / 1_000_000);
+        }
+    }
+}
+
+/// The `when-daemon-gone` a table was planned with, from its flags.
+fn configured_mode(flags: u32) -> WhenDaemonGone {
+    if flags & SERVICE_FLAG_HAND_BACK_AUTO != 0 {
+        WhenDaemonGone::Auto
+    } else if flags & SERVICE_FLAG_HAND_BACK != 0 {
+        WhenDaemonGone::HandBack
+    } else {
+        WhenDaemonGone::Keep
+    }
+}
+
+/// Why a service's choice applies. For auto, auto's rule applied to the
+/// listeners on the VIPs now; where that differs from the choice in
+/// force, both are said, as the next reload would change it.
+fn reason(flags: u32, vips: &[String], own_pid: Option<u32>) -> String {
+    if flags & SERVICE_FLAG_HAND_BACK_AUTO == 0 {
+        return "configured".into();
+    }
+    let vips: Vec<std::net::SocketAddr> = vips.iter().filter_map(|vip| vip.parse().ok()).collect();
+    let listeners = match hand_back::listeners(&vips, own_pid) {
+        Ok(listeners) => listeners,
+        Err(error) => return format!("the listeners on the VIPs could not be read: {error}"),
+    };
+    let now = HandBackChoice::decide(WhenDaemonGone::Auto, &vips, &listeners);
+    let in_force = flags & SERVICE_FLAG_HAND_BACK != 0;
+    match (in_force, now.hand_back) {
+        (true, false) => format!(
+            "a VIP had a listener at the last start or reload; now {} (the next reload keeps redirecting)",
+            now.reason()
+        ),
+        (false, true) => format!(
+            "no VIP had a listener at the last start or reload; now {} (the next reload hands back)",
+            now.reason()
+        ),
+        _ => now.reason(),
     }
 }
 
@@ -300,21 +463,7 @@ fn services(
         let stats = store.table_stats(*table_id);
         let service = services
             .entry(name.clone())
-            .or_insert_with(|| ServiceStatus {
-                name: name.clone(),
-                vips: Vec::new(),
-                policy: policy_name(info.flags).into(),
-                when_none_healthy: if info.flags & SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY != 0 {
-                    "reject".into()
-                } else {
-                    "fail-open".into()
-                },
-                all_netns: info.flags & SERVICE_FLAG_ALL_NETNS != 0,
-                accelerate: info.flags & SERVICE_FLAG_ACCELERATE != 0,
-                none_healthy: 0,
-                rejected: 0,
-                backends: Vec::new(),
-            });
+            .or_insert_with(|| service_of(name.clone(), info.flags));
         service.none_healthy += stats.none_healthy;
         service.rejected += stats.rejected;
         table_service.insert(*table_id, name);
@@ -332,32 +481,82 @@ fn services(
             service.vips.push(vip);
         }
     }
-    let mut in_table: HashMap<u32, std::collections::HashSet<u32>> = HashMap::new();
-    for (_, entry) in entries {
-        let ids = store
-            .slots(entry.bank_base, entry.healthy_slots.min(SLOTS_PER_LIST))
-            .unwrap_or_default()
-            .into_iter()
-            .map(|slot| slot.backend_id);
-        in_table.entry(entry.table_id).or_default().extend(ids);
-    }
-    let accelerated_backends = store.accelerated().unwrap_or_default();
-    let pairs = if accelerated_backends.is_empty() {
-        HashMap::new()
-    } else {
-        accelerated_pairs(&store.accelerated_sockets(), &accelerated_backends)
-    };
+    let backends = Backends::read(store, entries);
     let mut backend_records = backend_records;
     backend_records.sort_by_key(|(id, _)| *id);
     for (backend_id, info) in backend_records {
-        let Some(service) = table_service
+        if let Some(service) = table_service
             .get(&info.table_id)
             .and_then(|name| services.get_mut(name))
-        else {
-            continue;
+        {
+            service
+                .backends
+                .push(backends.status(store, backend_id, &info));
+        }
+    }
+    services.into_values().collect()
+}
+
+/// A service's entry, before its VIPs, counts and backends.
+fn service_of(name: String, flags: u32) -> ServiceStatus {
+    ServiceStatus {
+        name,
+        vips: Vec::new(),
+        policy: policy_name(flags).into(),
+        when_none_healthy: if flags & SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY != 0 {
+            "reject".into()
+        } else {
+            "fail-open".into()
+        },
+        all_netns: flags & SERVICE_FLAG_ALL_NETNS != 0,
+        accelerate: flags & SERVICE_FLAG_ACCELERATE != 0,
+        none_healthy: 0,
+        rejected: 0,
+        when_daemon_gone: HandBackStatus::default(),
+        backends: Vec::new(),
+    }
+}
+
+/// What the backends' statuses are read against: which backends the
+/// tables connects read now list, and the accelerated ones.
+struct Backends {
+    in_table: HashMap<u32, std::collections::HashSet<u32>>,
+    accelerated: std::collections::BTreeSet<lb_common::Endpoint>,
+    pairs: HashMap<lb_common::Endpoint, u64>,
+}
+
+impl Backends {
+    fn read(store: &dyn MapStore, entries: &[(lb_common::Endpoint, ServiceEntry)]) -> Self {
+        let mut in_table: HashMap<u32, std::collections::HashSet<u32>> = HashMap::new();
+        for (_, entry) in entries {
+            let ids = store
+                .slots(entry.bank_base, entry.healthy_slots.min(SLOTS_PER_LIST))
+                .unwrap_or_default()
+                .into_iter()
+                .map(|slot| slot.backend_id);
+            in_table.entry(entry.table_id).or_default().extend(ids);
+        }
+        let accelerated = store.accelerated().unwrap_or_default();
+        let pairs = if accelerated.is_empty() {
+            HashMap::new()
+        } else {
+            accelerated_pairs(&store.accelerated_sockets(), &accelerated)
         };
-        let conns = store.connections(backend_id);
-        service.backends.push(BackendStatus {
+        Self {
+            in_table,
+            accelerated,
+            pairs,
+        }
+    }
+
+    fn status(
+        &self,
+        store: &dyn MapStore,
+        backend_id: u32,
+        info: &lb_common::BackendInfo,
+    ) -> BackendStatus {
+        let conns = store.connections(backend_id).unwrap_or_default();
+        BackendStatus {
             addr: socket_addr(&info.target).map_or_else(|| "?".into(), |addr| addr.to_string()),
             healthy: info.healthy != 0,
             probed: info.probed != 0,
@@ -372,15 +571,16 @@ fn services(
             redirects: store.redirects(backend_id),
             live: conns.live,
             failed_connects: conns.failed_connects,
-            in_table: in_table
+            in_table: self
+                .in_table
                 .get(&info.table_id)
                 .is_some_and(|ids| ids.contains(&backend_id)),
-            accelerated: accelerated_backends
+            accelerated: self
+                .accelerated
                 .contains(&info.target)
-                .then(|| pairs.get(&info.target).copied().unwrap_or(0)),
-        });
+                .then(|| self.pairs.get(&info.target).copied().unwrap_or(0)),
+        }
     }
-    services.into_values().collect()
 }
 
 /// Connections whose two ends are both in the sockhash, by backend,
@@ -430,6 +630,9 @@ pub enum CheckFailure {
     DaemonNotRunning,
     /// Exit 5: the service has no healthy backend.
     NoHealthyBackend(String),
+    /// Exit 6: the kernel hands the service's VIPs back (the daemon is
+    /// gone): since when.
+    HandedBack { service: String, since: String },
 }
 
 impl CheckFailure {
@@ -438,6 +641,7 @@ impl CheckFailure {
             Self::DaemonNotRunning => 3,
             Self::NotAttached => 4,
             Self::NoHealthyBackend(_) => 5,
+            Self::HandedBack { .. } => 6,
         }
     }
 }
@@ -450,13 +654,18 @@ impl fmt::Display for CheckFailure {
             Self::NoHealthyBackend(service) => {
                 write!(f, "service {service} has no healthy backend")
             }
+            Self::HandedBack { service, since } => write!(
+                f,
+                "service {service} is handed back since {since}: its connects reach whatever listens on its VIPs, not socklb's backends"
+            ),
         }
     }
 }
 
 impl StatusReport {
     /// What `status --check` requires: a running daemon, an attached data
-    /// plane, and a healthy backend in every service.
+    /// plane, no service handed back, and a healthy backend in every
+    /// service.
     pub fn check(&self) -> Vec<CheckFailure> {
         let mut failures = Vec::new();
         if !self.data_plane.attached {
@@ -464,6 +673,14 @@ impl StatusReport {
         }
         if !self.daemon.running {
             failures.push(CheckFailure::DaemonNotRunning);
+        }
+        for service in &self.services {
+            if let Some(since) = &service.when_daemon_gone.handed_back_since {
+                failures.push(CheckFailure::HandedBack {
+                    service: service.name.clone(),
+                    since: since.clone(),
+                });
+            }
         }
         for service in &self.services {
             if !service
@@ -478,10 +695,7 @@ impl StatusReport {
     }
 }
 
-fn write_daemon_info(
-    f: &mut fmt::Formatter<'_>,
-    info: &crate::daemon::control::DaemonInfo,
-) -> fmt::Result {
+fn write_daemon_info(f: &mut fmt::Formatter<'_>, info: &DaemonInfo) -> fmt::Result {
     let reload = match &info.last_reload {
         None => "no reload yet".to_string(),
         Some(reload) => {
@@ -574,6 +788,16 @@ impl fmt::Display for StatusReport {
         for problem in &self.data_plane.problems {
             writeln!(f, "  problem: {problem}")?;
         }
+        if let Some(table) = &self.data_plane.socket_table {
+            writeln!(
+                f,
+                "socket table: {} of {} sockets tracked, {:.1} MiB of kernel memory (fixed), {} connects untracked",
+                table.tracked,
+                table.capacity,
+                table.memory_bytes as f64 / (1024.0 * 1024.0),
+                table.untracked
+            )?;
+        }
         if let Some(info) = &self.daemon_info {
             write_daemon_info(f, info)?;
         }
@@ -581,44 +805,78 @@ impl fmt::Display for StatusReport {
             return writeln!(f, "no services");
         }
         for service in &self.services {
-            writeln!(
-                f,
-                "service {}  vips {}  policy {}  when-none-healthy {}{}  none-healthy {} rejected {}",
-                service.name,
-                service.vips.join(","),
-                service.policy,
-                service.when_none_healthy,
-                if service.all_netns { "  all-netns" } else { "" },
-                service.none_healthy,
-                service.rejected
-            )?;
-            writeln!(
-                f,
-                "  {:<44} {:<9} {:>6} {:<9} {:>10} {:>6} {:>7}",
-                "BACKEND", "HEALTH", "WEIGHT", "ROLE", "REDIRECTS", "LIVE", "FAILED"
-            )?;
-            for backend in &service.backends {
-                let health = match (backend.draining, backend.probed, backend.healthy) {
-                    (true, _, _) => "draining",
-                    (false, false, _) => "unknown",
-                    (false, true, true) => "healthy",
-                    (false, true, false) => "unhealthy",
-                };
-                writeln!(
-                    f,
-                    "  {:<44} {:<9} {:>6} {:<9} {:>10} {:>6} {:>7}",
-                    backend.addr,
-                    health,
-                    backend.weight,
-                    backend.role,
-                    backend.redirects,
-                    backend.live,
-                    backend.failed_connects
-                )?;
-            }
+            write_service(f, service)?;
         }
         Ok(())
     }
+}
+
+/// "when the daemon is gone: auto: hand-back (127.0.0.1:6444 has a
+/// listener), after 10 s without a heartbeat", and, while the kernel hands
+/// the VIPs back, since when.
+fn write_hand_back(f: &mut fmt::Formatter<'_>, status: &HandBackStatus) -> fmt::Result {
+    let auto = if status.configured == "auto" {
+        "auto: "
+    } else {
+        ""
+    };
+    let after = status.daemon_gone_after_ms.map_or(String::new(), |ms| {
+        format!(", after {} without a heartbeat", age_words(ms))
+    });
+    writeln!(
+        f,
+        "  when the daemon is gone: {auto}{} ({}){after}",
+        status.effective, status.reason
+    )?;
+    if let Some(since) = &status.handed_back_since {
+        writeln!(
+            f,
+            "  HANDED BACK since {since} ({} ago): the daemon's heartbeat is older than daemon-gone-after; connects to the VIPs reach whatever listens there",
+            age_words(status.handed_back_for_ms.unwrap_or(0))
+        )?;
+    }
+    Ok(())
+}
+
+/// One service and its backends, as `status` prints them.
+fn write_service(f: &mut fmt::Formatter<'_>, service: &ServiceStatus) -> fmt::Result {
+    writeln!(
+        f,
+        "service {}  vips {}  policy {}  when-none-healthy {}{}  none-healthy {} rejected {}",
+        service.name,
+        service.vips.join(","),
+        service.policy,
+        service.when_none_healthy,
+        if service.all_netns { "  all-netns" } else { "" },
+        service.none_healthy,
+        service.rejected
+    )?;
+    write_hand_back(f, &service.when_daemon_gone)?;
+    writeln!(
+        f,
+        "  {:<44} {:<9} {:>6} {:<9} {:>10} {:>6} {:>7}",
+        "BACKEND", "HEALTH", "WEIGHT", "ROLE", "REDIRECTS", "LIVE", "FAILED"
+    )?;
+    for backend in &service.backends {
+        let health = match (backend.draining, backend.probed, backend.healthy) {
+            (true, _, _) => "draining",
+            (false, false, _) => "unknown",
+            (false, true, true) => "healthy",
+            (false, true, false) => "unhealthy",
+        };
+        writeln!(
+            f,
+            "  {:<44} {:<9} {:>6} {:<9} {:>10} {:>6} {:>7}",
+            backend.addr,
+            health,
+            backend.weight,
+            backend.role,
+            backend.redirects,
+            backend.live,
+            backend.failed_connects
+        )?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -657,7 +915,7 @@ mod tests {
     fn a_slot_sent_elsewhere_than_the_backend_it_counts_for_is_a_problem() {
         use lb_common::{BackendInfo, BackendSlot, ServiceEntry, bank_base};
 
-        use crate::{dataplane::MemoryMaps, planner::endpoint};
+        use crate::{convert::endpoint, dataplane::MemoryMaps};
         let backend = endpoint(&"127.0.0.2:80".parse().unwrap());
         let elsewhere = endpoint(&"127.0.0.9:80".parse().unwrap());
         let mut maps = MemoryMaps::default();

@@ -125,6 +125,31 @@ impl Server {
         unsafe { libc::kill(child.id() as i32, libc::SIGUSR1) };
     }
 
+    /// Makes the test apiserver answer `/readyz` and `/ping` 1.5 s late
+    /// (SIGUSR2), or on time again: a server too slow for a probe's 1 s
+    /// timeout, not for its agents' 2 s.
+    pub fn toggle_slow(&self) {
+        self.signal(libc::SIGUSR2);
+    }
+
+    /// Stops the server process in place (SIGSTOP): the kernel still
+    /// accepts TCP for it, and nothing answers until `resume`.
+    pub fn pause(&self) {
+        self.signal(libc::SIGSTOP);
+    }
+
+    /// Lets a paused server run again (SIGCONT); it answers what waited.
+    pub fn resume(&self) {
+        self.signal(libc::SIGCONT);
+    }
+
+    fn signal(&self, signal: i32) {
+        let child = self.process.as_ref().expect("the server runs");
+        // SAFETY: kill(2) on the PID of a child we started and still own
+        // (`ip netns exec` replaces itself with the server).
+        unsafe { libc::kill(child.id() as i32, signal) };
+    }
+
     /// Kills the server process (SIGKILL, by the PID we started).
     pub fn kill(&mut self) {
         if let Some(mut child) = self.process.take() {
@@ -186,7 +211,67 @@ impl Drop for Cluster {
         let _ = Command::new("ip")
             .args(["netns", "del", &self.switch])
             .status();
+        let _ = std::fs::remove_file(reservation(self.id));
     }
+}
+
+/// Where test clusters reserve their /24, one file per id holding the
+/// PID that uses it: two test processes whose PIDs give the same id would
+/// otherwise both route 198.x.y.0/24 from the root namespace, and each
+/// reach the other's servers.
+const RESERVATIONS: &str = "/run/socklb-test-clusters";
+
+fn reservation(id: u32) -> PathBuf {
+    PathBuf::from(RESERVATIONS).join(id.to_string())
+}
+
+/// Takes the id's reservation: a new file, or one whose process is gone.
+/// An id whose subnet the root namespace already has (a cluster of a
+/// process that does not reserve) is passed over.
+fn reserve(id: u32, root_addrs: &str) -> bool {
+    if root_addrs.contains(&format!(" 198.{}.{}.1/24", 18 + id / 256, id % 256)) {
+        return false;
+    }
+    let path = reservation(id);
+    for _ in 0..2 {
+        match std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&path)
+        {
+            Ok(mut file) => {
+                let _ =
+                    std::io::Write::write_all(&mut file, std::process::id().to_string().as_bytes());
+                return true;
+            }
+            Err(_) => {
+                let holder = std::fs::read_to_string(&path).unwrap_or_default();
+                let alive = holder
+                    .trim()
+                    .parse::<u32>()
+                    .is_ok_and(|pid| std::path::Path::new(&format!("/proc/{pid}")).exists());
+                if alive {
+                    return false;
+                }
+                let _ = std::fs::remove_file(&path);
+            }
+        }
+    }
+    false
+}
+
+/// A free cluster id, from `preferred` on (512 ids: 198.18.0.0/15).
+fn reserve_id(preferred: u32) -> u32 {
+    let _ = std::fs::create_dir_all(RESERVATIONS);
+    let root_addrs = Command::new("ip")
+        .args(["-4", "-o", "addr", "show"])
+        .output()
+        .map(|output| String::from_utf8_lossy(&output.stdout).into_owned())
+        .unwrap_or_default();
+    (0..512)
+        .map(|offset| (preferred + offset) % 512)
+        .find(|id| reserve(*id, &root_addrs))
+        .unwrap_or_else(|| panic!("every test cluster subnet of 198.18.0.0/15 is in use"))
 }
 
 impl Cluster {
@@ -206,7 +291,7 @@ impl Cluster {
         // The subnet comes from the PID and a counter, so that two test
         // processes on one machine do not share addresses.
         let count = CLUSTERS.fetch_add(1, Ordering::Relaxed);
-        let id = (std::process::id() % 128) * 4 + count % 4;
+        let id = reserve_id((std::process::id() % 128) * 4 + count % 4);
         let tag = format!("{}x{count}", std::process::id() % 100_000);
         let switch = format!("socklb-{tag}-sw");
         let cluster = Self {

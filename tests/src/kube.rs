@@ -22,17 +22,24 @@
 
 use std::{
     collections::BTreeMap,
-    io::{Read, Write},
-    net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream},
+    net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener},
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
     sync::Arc,
     time::{Duration, Instant},
 };
 
-use rustls::{ClientConfig, ClientConnection, RootCertStore, StreamOwned};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::{Request, body::Bytes, header};
+use hyper_util::rt::TokioIo;
+use rustls::{ClientConfig, RootCertStore};
 use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName, pem::PemObject};
 use serde::{Deserialize, Serialize};
+use tokio::{
+    io::{AsyncRead, AsyncWrite},
+    net::TcpStream,
+};
+use tokio_rustls::TlsConnector;
 
 /// The label that ties an EndpointSlice to its Service.
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -250,24 +257,29 @@ pub struct SliceChange {
     pub object: serde_json::Value,
 }
 
-/// The interpreter of the Python environment with the official
-/// `kubernetes` client and `kubernetes-validate`: `$SOCKLB_PYTHON`, which
-/// `cargo xtask test` sets after it creates target/pyenv.
-pub fn python() -> PathBuf {
+/// What the tests that run the official Python client lack, or `None`:
+/// `$SOCKLB_PYTHON`, which `cargo xtask test` sets after it creates
+/// target/pyenv. A test starts with `require!(kube::missing_python())`.
+pub fn missing_python() -> Option<String> {
     let Some(path) = std::env::var_os("SOCKLB_PYTHON") else {
-        panic!(
-            "SOCKLB_PYTHON is not set: `cargo xtask test` creates target/pyenv with the Python \
-             kubernetes client and sets it; by hand, run `python3 -m venv target/pyenv`, pip-install \
-             the versions pinned in xtask/src/toolchain.rs, and set SOCKLB_PYTHON=target/pyenv/bin/python"
-        )
+        return Some(
+            "needs SOCKLB_PYTHON, a Python with the kubernetes client: `cargo xtask test` creates \
+             target/pyenv and sets it; by hand, run `python3 -m venv target/pyenv`, pip-install the \
+             versions pinned in xtask/src/toolchain.rs, and set SOCKLB_PYTHON=target/pyenv/bin/python"
+                .to_string(),
+        );
     };
-    let path = PathBuf::from(path);
-    assert!(
-        path.exists(),
-        "SOCKLB_PYTHON={} does not exist",
-        path.display()
-    );
-    path
+    (!Path::new(&path).exists()).then(|| format!("SOCKLB_PYTHON={} does not exist", path.display()))
+}
+
+/// The interpreter of the Python environment with the official
+/// `kubernetes` client and `kubernetes-validate` (see [`missing_python`]);
+/// panics when there is none.
+pub fn python() -> PathBuf {
+    if let Some(missing) = missing_python() {
+        panic!("{missing}");
+    }
+    PathBuf::from(std::env::var_os("SOCKLB_PYTHON").expect("checked"))
 }
 
 /// The kubeapi binary: beside lbclient when `LBCLIENT_BIN` is set (cargo
@@ -568,12 +580,12 @@ impl KubeApi {
 
     /// One admin request; panics unless it answers 200 with JSON.
     fn admin_json(&self, method: &str, path: &str, body: Option<&str>) -> serde_json::Value {
-        let mut stream =
-            TcpStream::connect_timeout(&self.admin, REQUEST_TIMEOUT).unwrap_or_else(|error| {
-                panic!("connecting to kubeapi's admin API {}: {error}", self.admin)
-            });
-        let response = http_exchange(&mut stream, method, path, &self.admin.to_string(), body)
-            .unwrap_or_else(|error| panic!("kubeapi admin {method} {path}: {error}"));
+        let admin = self.admin;
+        let response = block_on(async move {
+            let stream = connect(admin).await?;
+            http_exchange(stream, method, path, &admin.to_string(), body).await
+        })
+        .unwrap_or_else(|error| panic!("kubeapi admin {method} {path} on {admin}: {error}"));
         assert_eq!(
             response.status,
             200,
@@ -628,17 +640,13 @@ impl KubeApi {
         config: Arc<ClientConfig>,
         path_and_query: &str,
     ) -> std::io::Result<ApiResponse> {
-        let name = ServerName::IpAddress(self.addr.ip().into());
-        let connection = ClientConnection::new(config, name).map_err(std::io::Error::other)?;
-        let socket = TcpStream::connect_timeout(&self.addr, REQUEST_TIMEOUT)?;
-        let mut tls = StreamOwned::new(connection, socket);
-        http_exchange(
-            &mut tls,
-            "GET",
-            path_and_query,
-            &self.addr.to_string(),
-            None,
-        )
+        let addr = self.addr;
+        block_on(async move {
+            let socket = connect(addr).await?;
+            let name = ServerName::IpAddress(addr.ip().into());
+            let tls = TlsConnector::from(config).connect(name, socket).await?;
+            http_exchange(tls, "GET", path_and_query, &addr.to_string(), None).await
+        })
     }
 }
 
@@ -705,70 +713,74 @@ impl ApiResponse {
 /// Largest answer read: a watch of a test is a few kilobytes.
 const MAX_RESPONSE_BYTES: usize = 16 << 20;
 
-/// Sends one request with `Connection: close` and reads the answer to
-/// the end of the connection.
-fn http_exchange<S: Read + Write>(
-    stream: &mut S,
+/// The longest a whole exchange may take (a watch runs until the server
+/// ends it: tests give it `timeoutSeconds`).
+const EXCHANGE_LIMIT: Duration = Duration::from_secs(600);
+
+/// Runs one exchange on a runtime of its own: the tests are synchronous,
+/// and each request stands alone.
+fn block_on<T>(exchange: impl Future<Output = std::io::Result<T>>) -> std::io::Result<T> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        tokio::time::timeout(EXCHANGE_LIMIT, exchange)
+            .await
+            .map_err(|_| std::io::Error::other(format!("no answer within {EXCHANGE_LIMIT:?}")))?
+    })
+}
+
+async fn connect(addr: SocketAddr) -> std::io::Result<TcpStream> {
+    tokio::time::timeout(REQUEST_TIMEOUT, TcpStream::connect(addr))
+        .await
+        .map_err(|_| std::io::Error::other(format!("connecting to {addr}: timed out")))?
+}
+
+/// Sends one HTTP/1.1 request (hyper) with `Connection: close` and reads
+/// the answer, its body at most `MAX_RESPONSE_BYTES`.
+async fn http_exchange<S>(
+    stream: S,
     method: &str,
     path: &str,
     host: &str,
     body: Option<&str>,
-) -> std::io::Result<ApiResponse> {
-    let body = body.unwrap_or_default();
-    let request = format!(
-        "{method} {path} HTTP/1.1\r\nhost: {host}\r\naccept: application/json\r\n\
-         content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes())?;
-    stream.flush()?;
-    let mut raw = Vec::new();
-    let mut buffer = [0u8; 16 * 1024];
-    let started = Instant::now();
-    loop {
-        match stream.read(&mut buffer) {
-            Ok(0) => break,
-            Ok(read) => raw.extend_from_slice(&buffer[..read]),
-            // A TLS peer that closes without close_notify.
-            Err(error) if error.kind() == std::io::ErrorKind::UnexpectedEof && !raw.is_empty() => {
-                break;
-            }
-            Err(error) => return Err(error),
-        }
-        if raw.len() > MAX_RESPONSE_BYTES || started.elapsed() > Duration::from_secs(600) {
-            return Err(std::io::Error::other("answer too long"));
-        }
-    }
-    parse_response(&raw)
-}
-
-fn parse_response(raw: &[u8]) -> std::io::Result<ApiResponse> {
-    let invalid =
-        |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string());
-    let end = raw
-        .windows(4)
-        .position(|window| window == b"\r\n\r\n")
-        .ok_or_else(|| invalid("no end of headers"))?;
-    let head = String::from_utf8_lossy(&raw[..end]);
-    let mut lines = head.split("\r\n");
-    let status = lines
-        .next()
-        .and_then(|line| line.split_whitespace().nth(1))
-        .and_then(|code| code.parse().ok())
-        .ok_or_else(|| invalid("no status line"))?;
-    let headers: Vec<(String, String)> = lines
-        .filter_map(|line| line.split_once(':'))
-        .map(|(key, value)| (key.trim().to_ascii_lowercase(), value.trim().to_string()))
-        .collect();
-    let rest = &raw[end + 4..];
-    let chunked = headers
+) -> std::io::Result<ApiResponse>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(std::io::Error::other)?;
+    let driver = tokio::spawn(connection);
+    let request = Request::builder()
+        .method(method)
+        .uri(path)
+        .header(header::HOST, host)
+        .header(header::ACCEPT, "application/json")
+        .header(header::CONTENT_TYPE, "application/json")
+        .header(header::CONNECTION, "close")
+        .body(Full::new(Bytes::from(body.unwrap_or_default().to_string())))
+        .map_err(std::io::Error::other)?;
+    let response = sender
+        .send_request(request)
+        .await
+        .map_err(std::io::Error::other)?;
+    let status = response.status().as_u16();
+    let headers = response
+        .headers()
         .iter()
-        .any(|(key, value)| key == "transfer-encoding" && value.eq_ignore_ascii_case("chunked"));
-    let body = if chunked {
-        dechunk(rest).ok_or_else(|| invalid("bad chunked body"))?
-    } else {
-        rest.to_vec()
-    };
+        .map(|(name, value)| {
+            let value = String::from_utf8_lossy(value.as_bytes()).into_owned();
+            (name.as_str().to_string(), value)
+        })
+        .collect();
+    let body = Limited::new(response.into_body(), MAX_RESPONSE_BYTES)
+        .collect()
+        .await
+        .map_err(std::io::Error::other)?
+        .to_bytes()
+        .to_vec();
+    driver.abort();
     Ok(ApiResponse {
         status,
         headers,
@@ -776,39 +788,54 @@ fn parse_response(raw: &[u8]) -> std::io::Result<ApiResponse> {
     })
 }
 
-/// The data of a chunked body; `None` if it is cut short.
-fn dechunk(mut rest: &[u8]) -> Option<Vec<u8>> {
-    let mut body = Vec::new();
-    // Each round consumes one chunk, so the count of rounds is bounded by
-    // the length of the input.
-    for _ in 0..=rest.len() {
-        let line_end = rest.windows(2).position(|window| window == b"\r\n")?;
-        let size_text = String::from_utf8_lossy(&rest[..line_end]);
-        let size = usize::from_str_radix(size_text.split(';').next()?.trim(), 16).ok()?;
-        rest = &rest[line_end + 2..];
-        if size == 0 {
-            return Some(body);
-        }
-        body.extend_from_slice(rest.get(..size)?);
-        rest = rest.get(size + 2..)?;
-    }
-    None
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    /// A server on loopback that reads one request and answers `answer`;
+    /// returns its address and the request it read.
+    fn answer_once(answer: &'static [u8]) -> (SocketAddr, std::thread::JoinHandle<String>) {
+        use std::io::{Read, Write};
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            let mut request = Vec::new();
+            let mut buffer = [0u8; 1024];
+            while !request.ends_with(b"\r\n\r\n") {
+                let read = stream.read(&mut buffer).unwrap();
+                assert!(read > 0, "the request ended early");
+                request.extend_from_slice(&buffer[..read]);
+            }
+            stream.write_all(answer).unwrap();
+            String::from_utf8(request).unwrap()
+        });
+        (addr, server)
+    }
+
     #[test]
-    fn dechunks_a_body_and_refuses_a_cut_one() {
-        let raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2;x=y\r\nde\r\n0\r\n\r\n";
-        let response = parse_response(raw).unwrap();
+    fn reads_a_chunked_answer_and_refuses_a_cut_one() {
+        let (addr, server) = answer_once(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Type: application/json\r\n\r\n3\r\nabc\r\n2;x=y\r\nde\r\n0\r\n\r\n",
+        );
+        let response = block_on(async move {
+            http_exchange(connect(addr).await?, "GET", "/stats", "test", None).await
+        })
+        .unwrap();
         assert_eq!(response.status, 200);
         assert_eq!(response.body, b"abcde");
-        assert!(
-            parse_response(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nab")
-                .is_err()
-        );
+        assert_eq!(response.header("transfer-encoding"), Some("chunked"));
+        assert_eq!(response.header("Content-Type"), Some("application/json"));
+        let request = server.join().unwrap();
+        assert!(request.starts_with("GET /stats HTTP/1.1\r\n"), "{request}");
+
+        let (addr, _server) =
+            answer_once(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nab");
+        let cut =
+            block_on(
+                async move { http_exchange(connect(addr).await?, "GET", "/", "test", None).await },
+            );
+        assert!(cut.is_err(), "{cut:?}");
     }
 
     #[test]

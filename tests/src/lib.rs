@@ -4,8 +4,24 @@
 //! panics: child cgroups, daemons (killed by the PID we started), pins.
 //! Traffic goes to loopback, or to the namespaces of a [`cluster`].
 
+pub mod cli;
 pub mod cluster;
+pub mod herd;
 pub mod kube;
+pub mod manifest;
+mod memory_cgroup;
+pub mod node;
+pub mod nspawn;
+mod old_socklb;
+pub mod pki;
+pub mod podman;
+pub mod sockdiag;
+
+pub use cli::join_cgroup;
+pub use memory_cgroup::MemoryCgroup;
+pub use old_socklb::{
+    FIRST_LAYOUT_COMMIT, SOCKET_STORAGE_COMMIT, old_socklb_bin, old_socklb_bin_at,
+};
 
 use std::{
     collections::BTreeMap,
@@ -38,6 +54,25 @@ pub fn raise_open_files() {
     }
 }
 
+/// Drops to uid and gid 65534 with no supplementary groups and no
+/// capabilities: a hostile local user. Call it while single-threaded.
+pub fn become_nobody() -> Result<(), String> {
+    // SAFETY: plain credential syscalls on a single-threaded process.
+    let dropped = unsafe {
+        libc::setgroups(0, std::ptr::null()) == 0
+            && libc::setgid(65534) == 0
+            && libc::setuid(65534) == 0
+    };
+    // SAFETY: geteuid has no preconditions.
+    if !dropped || unsafe { libc::geteuid() } != 65534 {
+        return Err(format!(
+            "dropping to uid 65534: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(())
+}
+
 /// A directory of the test's own, removed on drop.
 pub struct TempDir(pub PathBuf);
 
@@ -60,14 +95,94 @@ pub fn cgroup_v2_root() -> PathBuf {
     socklb::cgroup::v2_root().unwrap_or_else(|error| panic!("socklb tests need cgroup v2: {error}"))
 }
 
-/// Fails with a clear message unless this runs as root.
-pub fn require_root() {
+/// Set by `cargo xtask test`: every test runs for real there, so a missing
+/// privilege or prerequisite fails the test instead of skipping it.
+pub const NO_SKIP_ENV: &str = "SOCKLB_TESTS_NO_SKIP";
+
+/// Why this process cannot run a privileged test, or `None` as root.
+pub fn missing_root() -> Option<String> {
     // SAFETY: geteuid has no preconditions.
-    assert_eq!(
-        unsafe { libc::geteuid() },
-        0,
-        "socklb's integration tests load eBPF programs and must run as root (cargo xtask test does)"
-    );
+    let uid = unsafe { libc::geteuid() };
+    (uid != 0).then(|| {
+        format!(
+            "needs root (running as uid {uid}): it loads eBPF programs and creates cgroups; \
+             `cargo xtask test` runs it as root"
+        )
+    })
+}
+
+/// Fails with a clear message unless this runs as root. A test calls the
+/// macro [`require_root!`] first instead, so that a plain `cargo test`
+/// without root skips it; helpers call this function.
+pub fn require_root() {
+    if let Some(missing) = missing_root() {
+        panic!(
+            "{missing} (a test that starts with `require_root!();` is skipped without root instead)"
+        );
+    }
+}
+
+/// Whether the test named `test` must return now, because `missing` says
+/// what it lacks: then one line on the standard error says so. Under
+/// [`NO_SKIP_ENV`] nothing may be skipped, and this panics instead. With
+/// nothing missing the test runs, whoever runs it. Used by [`require!`].
+#[doc(hidden)]
+pub fn skip_for(test: &str, missing: Option<String>) -> bool {
+    let Some(missing) = missing else {
+        return false;
+    };
+    if std::env::var_os(NO_SKIP_ENV).is_some() {
+        panic!("{test} {missing} ({NO_SKIP_ENV} is set: no test may be skipped)");
+    }
+    // Straight to the standard error, past the test harness's capture, so
+    // that a plain `cargo test` shows the line.
+    let _ = writeln!(std::io::stderr(), "skipped {test}: {missing}");
+    true
+}
+
+/// The name of the test function from the type name of an item declared
+/// in it (`redirect::drain_works::here` → `redirect::drain_works`).
+#[doc(hidden)]
+pub fn test_name(item_type_name: &str) -> &str {
+    item_type_name
+        .rsplit_once("::")
+        .map_or(item_type_name, |(test, _)| test)
+}
+
+/// Returns from the calling test when `$missing` (an `Option<String>`)
+/// says what it lacks, after one line `skipped <test>: <what>` on the
+/// standard error; under [`NO_SKIP_ENV`] (`cargo xtask test`) the test
+/// fails instead. Like the nix crate's `skip_if_not_root!`.
+///
+/// ```no_run
+/// #[test]
+/// fn needs_python() {
+///     socklb_tests::require!(socklb_tests::kube::missing_python());
+///     // ... runs only with the Python environment.
+/// }
+/// ```
+#[macro_export]
+macro_rules! require {
+    ($missing:expr) => {{
+        fn here() {}
+        if $crate::skip_for(
+            $crate::test_name(::std::any::type_name_of_val(&here)),
+            $missing,
+        ) {
+            return;
+        }
+    }};
+}
+
+/// The first line of every privileged test: without root, a plain `cargo
+/// test` skips it with one line saying so; as root it always runs, and
+/// under `cargo xtask test` a missing privilege is a failure (see
+/// [`require!`]).
+#[macro_export]
+macro_rules! require_root {
+    () => {
+        $crate::require!($crate::missing_root())
+    };
 }
 
 static UNIQUE: AtomicU64 = AtomicU64::new(0);
@@ -130,6 +245,8 @@ pub struct Backend {
     http: bool,
     /// HTTP requests answered.
     http_requests: Arc<std::sync::atomic::AtomicUsize>,
+    /// Connections accepted (and sent the name), over every start.
+    accepted: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Backend {
@@ -162,6 +279,7 @@ impl Backend {
             held: hold.then(Arc::default),
             http,
             http_requests: Arc::default(),
+            accepted: Arc::default(),
         };
         backend.serve(listener);
         backend
@@ -186,6 +304,7 @@ impl Backend {
             held: hold.then(Arc::default),
             http: false,
             http_requests: Arc::default(),
+            accepted: Arc::default(),
         };
         backend.resume();
         backend
@@ -201,11 +320,13 @@ impl Backend {
         let held = self.held.clone();
         let http = self.http;
         let http_requests = Arc::clone(&self.http_requests);
+        let accepted = Arc::clone(&self.accepted);
         let thread = std::thread::spawn(move || {
             while !flag.load(Ordering::Relaxed) {
                 match listener.accept() {
                     Ok((mut stream, _)) => {
                         let _ = stream.set_nonblocking(false);
+                        accepted.fetch_add(1, Ordering::Relaxed);
                         if http {
                             // Each in its own thread: the wait for a
                             // request must not hold up the next accept.
@@ -235,6 +356,11 @@ impl Backend {
     /// HTTP requests answered (by a backend from `start_http`).
     pub fn http_requests(&self) -> usize {
         self.http_requests.load(Ordering::Relaxed)
+    }
+
+    /// Connections accepted so far, over every start of this backend.
+    pub fn accepted(&self) -> usize {
+        self.accepted.load(Ordering::Relaxed)
     }
 
     /// Closes the listening socket: new connects are refused.
@@ -358,6 +484,9 @@ pub struct Attempt {
     pub error: Option<String>,
     pub hold_end: Option<String>,
     pub held_ms: Option<u64>,
+    /// When the attempt began, in ms since the client started.
+    #[serde(default)]
+    pub at_ms: u64,
 }
 
 /// How to run lbclient.
@@ -499,18 +628,30 @@ pub fn aborted(ends: &[serde_json::Value]) -> usize {
 /// `GET /metrics` of a daemon's `--metrics-addr`: every sample, keyed by
 /// its name and labels as written.
 pub fn scrape_metrics(addr: SocketAddr) -> BTreeMap<String, f64> {
-    let mut stream = std::net::TcpStream::connect(addr).expect("metrics endpoint");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
+    try_scrape_metrics(addr, Duration::from_secs(10)).unwrap_or_else(|error| panic!("{error}"))
+}
+
+/// Like `scrape_metrics`, with a timeout, returning what went wrong (the
+/// soak scrapes a daemon that may be stopped or gone).
+pub fn try_scrape_metrics(
+    addr: SocketAddr,
+    timeout: Duration,
+) -> Result<BTreeMap<String, f64>, String> {
+    let mut stream = std::net::TcpStream::connect_timeout(&addr, timeout)
+        .map_err(|error| format!("metrics endpoint {addr}: {error}"))?;
+    let _ = stream.set_read_timeout(Some(timeout));
+    let _ = stream.set_write_timeout(Some(timeout));
     write!(
         stream,
         "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
     )
-    .unwrap();
+    .map_err(|error| format!("metrics request: {error}"))?;
     let mut response = String::new();
-    std::io::Read::read_to_string(&mut stream, &mut response).unwrap();
-    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    std::io::Read::read_to_string(&mut stream, &mut response)
+        .map_err(|error| format!("metrics answer: {error}"))?;
+    if !response.starts_with("HTTP/1.1 200") {
+        return Err(format!("metrics answer: {response}"));
+    }
     let body = response.split("\r\n\r\n").nth(1).unwrap_or_default();
     // Chunked or not: sample lines are the ones that parse.
     let mut samples = BTreeMap::new();
@@ -525,7 +666,7 @@ pub fn scrape_metrics(addr: SocketAddr) -> BTreeMap<String, f64> {
             samples.insert(key.to_string(), value);
         }
     }
-    samples
+    Ok(samples)
 }
 
 /// Connects through `vip` (10 at a time, from `cgroup`) until one lands
@@ -700,6 +841,11 @@ impl Daemon {
         self.child = Some(child);
     }
 
+    /// The file the daemon's output goes to (every start appends).
+    pub fn log_path(&self) -> &Path {
+        &self.log_path
+    }
+
     /// The daemon's output so far.
     pub fn log(&self) -> String {
         std::fs::read_to_string(&self.log_path).unwrap_or_default()
@@ -872,6 +1018,57 @@ impl Daemon {
         });
     }
 
+    /// The value of `--flag VALUE` in this daemon's arguments, if given.
+    fn flag(&self, flag: &str) -> Option<&str> {
+        self.args
+            .iter()
+            .position(|arg| arg == flag)
+            .and_then(|at| self.args.get(at + 1))
+            .map(String::as_str)
+    }
+
+    /// The limit of a wait for `probes` probe rounds of this daemon (see
+    /// [`probe_bound`]), from its own `--health-interval` and
+    /// `--health-timeout`, or socklb's defaults where it has none.
+    pub fn probe_bound(&self, probes: u32) -> Duration {
+        let defaults = socklb::config::HealthSettings::default();
+        let duration = |flag: &str, default: Duration| {
+            self.flag(flag).map_or(default, |text| {
+                socklb::config::parse_duration(text)
+                    .unwrap_or_else(|| panic!("{flag} {text} is not a duration"))
+            })
+        };
+        probe_bound(
+            duration("--health-interval", defaults.interval),
+            duration("--health-timeout", defaults.timeout),
+            probes,
+        )
+    }
+
+    /// The limit of a wait for this daemon to take a failed backend out:
+    /// `--fall` probe rounds (see [`Daemon::probe_bound`]).
+    pub fn fall_bound(&self) -> Duration {
+        let fall = self
+            .flag("--fall")
+            .map_or(socklb::config::HealthSettings::default().fall, |text| {
+                text.parse().expect("--fall is a number")
+            });
+        self.probe_bound(fall)
+    }
+
+    /// Waits until the kernel has redirected at least `count` connects
+    /// more than `since` (a [`total_redirects`] figure), at most `limit`:
+    /// traffic flows through the VIP. Works while the daemon is down (the
+    /// counts are in the pinned maps). Returns the new total.
+    pub fn wait_redirects(&mut self, since: u64, count: u64, limit: Duration) -> u64 {
+        self.wait_for(
+            &format!("{count} connects redirected after the first {since}"),
+            limit,
+            |status| total_redirects(status) >= since + count,
+        );
+        total_redirects(&self.status().expect("status"))
+    }
+
     /// Waits until this daemon runs (its own heartbeat, not a previous
     /// daemon's records) and a probe has given every listed backend the
     /// given health.
@@ -893,6 +1090,82 @@ impl Daemon {
                 })
         })
     }
+}
+
+/// The live connections of each backend, in the order of `addrs` (0 for
+/// one status does not list).
+pub fn live_counts(status: &serde_json::Value, addrs: &[SocketAddr]) -> Vec<i64> {
+    addrs
+        .iter()
+        .map(|addr| live_connections(status, *addr))
+        .collect()
+}
+
+/// The established connections open now to the backend at `addr`, as a
+/// status report counts them (sock_ops); 0 for a backend it does not list.
+pub fn live_connections(status: &serde_json::Value, addr: SocketAddr) -> i64 {
+    backend_field(status, &addr.to_string(), "live")
+        .and_then(|live| live.as_i64())
+        .unwrap_or(0)
+}
+
+/// The connects that the kernel redirected to the backend at `addr`, as a
+/// status report counts them; 0 for a backend it does not list.
+pub fn redirects(status: &serde_json::Value, addr: SocketAddr) -> u64 {
+    backend_field(status, &addr.to_string(), "redirects")
+        .and_then(|redirects| redirects.as_u64())
+        .unwrap_or(0)
+}
+
+/// The connects that the kernel redirected, to any backend of any service.
+pub fn total_redirects(status: &serde_json::Value) -> u64 {
+    status["services"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .flat_map(|service| service["backends"].as_array().into_iter().flatten())
+        .filter_map(|backend| backend["redirects"].as_u64())
+        .sum()
+}
+
+/// Polls `fact` every 5 ms until it holds; returns how long that took, or
+/// panics after `limit` naming `what`.
+pub fn time_until(what: &str, limit: Duration, fact: impl FnMut() -> bool) -> Duration {
+    let start = Instant::now();
+    if holds_within(limit, Duration::from_millis(5), fact) {
+        return start.elapsed();
+    }
+    panic!("{what}: not within {limit:?}");
+}
+
+/// Polls `fact` every `every` for at most `limit`; whether it came to hold
+/// (checked once more at the end).
+pub fn holds_within(limit: Duration, every: Duration, mut fact: impl FnMut() -> bool) -> bool {
+    let start = Instant::now();
+    while start.elapsed() < limit {
+        if fact() {
+            return true;
+        }
+        std::thread::sleep(every);
+    }
+    fact()
+}
+
+/// The limit of a wait for `count` things that a client does every
+/// `interval` (connects, requests): ten times their nominal time, plus 5 s
+/// for processes to start on a loaded 2-core machine. A wait returns as
+/// soon as its fact holds; the limit only bounds a failure.
+pub fn pace_bound(count: u32, interval: Duration) -> Duration {
+    interval * count.saturating_mul(10) + Duration::from_secs(5)
+}
+
+/// The limit of a wait for `probes` probe rounds of a daemon that probes
+/// every `interval` with `timeout`: each round waits up to 1.2 × the
+/// interval (its jitter) and then up to the timeout. Three times that,
+/// plus 2 s, for a loaded 2-core machine; a wait returns as soon as its
+/// fact holds.
+pub fn probe_bound(interval: Duration, timeout: Duration, probes: u32) -> Duration {
+    (interval * 6 / 5 + timeout) * probes.saturating_mul(3) + Duration::from_secs(2)
 }
 
 /// Whether a status report lists the backend `addr`.
@@ -948,6 +1221,18 @@ impl Drop for Daemon {
         let _ = std::fs::remove_file(&self.log_path);
     }
 }
+
+/// The apiserver probe (`/readyz`) at socklb's own default interval and
+/// timeout (1 s each), for `service_args`, which sets faster ones
+/// otherwise.
+pub const DEFAULT_APISERVER_HEALTH: [&str; 6] = [
+    "--health",
+    "apiserver",
+    "--health-interval",
+    "1s",
+    "--health-timeout",
+    "1s",
+];
 
 /// Flags for a one-service daemon in `cgroup` with fast health checks.
 pub fn service_args(
@@ -1158,70 +1443,6 @@ impl Drop for HoldServer {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-/// The commit before the kernel ABI was versioned: the version an upgrade
-/// test starts from.
-pub const FIRST_LAYOUT_COMMIT: &str = "2ea9fbd";
-
-/// The `socklb` binary of `FIRST_LAYOUT_COMMIT`, built from this
-/// repository's history into target/old-<commit> (once; later calls reuse
-/// it). Panics with the step that failed.
-pub fn old_socklb_bin() -> PathBuf {
-    let target = socklb_bin()
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>/socklb")
-        .to_path_buf();
-    let base = target.join(format!("old-{FIRST_LAYOUT_COMMIT}"));
-    let (source, build) = (base.join("src"), base.join("target"));
-    let binary = build.join("debug/socklb");
-    if binary.exists() {
-        return binary;
-    }
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the workspace root")
-        .to_path_buf();
-    let _ = std::fs::remove_dir_all(&source);
-    std::fs::create_dir_all(&source).expect("old source directory");
-    let run = |what: &str, command: &mut Command| {
-        // The outer cargo's variables are for this workspace's build.
-        for variable in ["CARGO", "CARGO_MANIFEST_DIR", "RUSTFLAGS", "RUSTC"] {
-            command.env_remove(variable);
-        }
-        let output = command
-            .output()
-            .unwrap_or_else(|error| panic!("{what}: {error}"));
-        assert!(
-            output.status.success(),
-            "{what} failed:\n{}{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
-    };
-    run(
-        &format!("extracting {FIRST_LAYOUT_COMMIT} from the repository's history"),
-        Command::new("sh").arg("-c").arg(format!(
-            "git -C '{}' archive --format=tar {FIRST_LAYOUT_COMMIT} | tar -x -C '{}'",
-            repo.display(),
-            source.display()
-        )),
-    );
-    run(
-        "building the old eBPF object",
-        Command::new("cargo")
-            .args(["xtask", "build-ebpf"])
-            .current_dir(&source),
-    );
-    run(
-        "building the old socklb",
-        Command::new("cargo")
-            .args(["build", "--package", "lb-userspace", "--bin", "socklb"])
-            .env("CARGO_TARGET_DIR", &build)
-            .current_dir(&source),
-    );
-    binary
 }
 
 /// The state letter of a thread from its /proc stat file (the field after

@@ -5,8 +5,7 @@
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
-use lb_common::names;
-use socklb::dataplane::{PinPaths, features::DISABLE_FOR_TEST};
+use socklb::dataplane::features::DISABLE_FOR_TEST;
 use socklb_tests::{
     Backend, Cgroup, ClientRun, ConnClient, Daemon, aborted, backend_field, free_port,
     require_root, service_args, unique_name,
@@ -39,7 +38,7 @@ fn without(
 
 #[test]
 fn without_set_retval_reject_refuses_with_eperm() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("no-retval");
     let mut backend = Backend::start("b0", "127.0.0.2");
     let vip = vip();
@@ -62,7 +61,7 @@ fn without_set_retval_reject_refuses_with_eperm() {
 
 #[test]
 fn without_netns_cookies_every_namespace_is_redirected() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("no-netns");
     let backend = Backend::start("b0", "127.0.0.2");
     let vip = vip();
@@ -83,19 +82,16 @@ fn without_netns_cookies_every_namespace_is_redirected() {
 }
 
 #[test]
-fn without_socket_storage_the_lru_keeps_getpeername_and_counts() {
-    require_root();
-    let cgroup = Cgroup::new("no-storage");
+fn without_callbacks_at_connect_sock_ops_finds_the_redirected_sockets_and_counts() {
+    require_root!();
+    let cgroup = Cgroup::new("no-callbacks");
     let backend = Backend::start_holding("b0", "127.0.0.2");
     let vip = vip();
-    let mut daemon = without("sk-storage", &cgroup, vip, &[backend.addr], &[]);
-    assert!(daemon.log_shows("per-socket records go to an LRU", Duration::from_secs(1)));
-    assert!(
-        PinPaths::new(&daemon.pin_path)
-            .map(names::LEGACY_REDIRECTS)
-            .exists(),
-        "the LRU is pinned"
-    );
+    let mut daemon = without("callbacks-at-connect", &cgroup, vip, &[backend.addr], &[]);
+    assert!(daemon.log_shows(
+        "sock_ops looks every connecting socket of the cgroup up",
+        Duration::from_secs(1)
+    ));
     let attempts = ClientRun::new(vip, Some(&cgroup.path), 3).run();
     assert!(
         attempts
@@ -120,7 +116,7 @@ fn without_socket_storage_the_lru_keeps_getpeername_and_counts() {
 
 #[test]
 fn without_sock_destroy_close_on_failure_is_off() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("no-destroy");
     let backends = [
         Backend::start_holding("b0", "127.0.0.2"),

@@ -16,16 +16,16 @@ use std::{
 
 use socklb_tests::{
     Backend, BpffsStart, Cgroup, ClientRun, Daemon, MountNamespace, TempDir, free_port,
-    kube::python, record_figures, require_root, service_args, socklb_bin, spread, unique_name,
+    kube::{missing_python, python},
+    manifest::{
+        container, daemonset_container, daemonset_path, daemonset_pod_spec, object, pod_spec, repo,
+        strings, uninstall_path, unit_path, unit_setting,
+    },
+    record_figures, require, require_root, service_args, socklb_bin, spread, unique_name,
 };
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("the workspace")
-        .to_path_buf()
-}
-
+/// The manifests `kubectl apply -f deploy/kubernetes/` applies, and the
+/// cleanup manifest beside them.
 fn manifests() -> Vec<PathBuf> {
     let dir = repo().join("deploy/kubernetes");
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
@@ -34,6 +34,7 @@ fn manifests() -> Vec<PathBuf> {
         .filter(|path| path.extension().is_some_and(|ext| ext == "yaml"))
         .collect();
     files.sort();
+    files.push(uninstall_path());
     files
 }
 
@@ -56,6 +57,7 @@ fn validate(files: &[PathBuf]) -> (bool, String) {
 
 #[test]
 fn the_manifests_validate_against_the_kubernetes_schemas() {
+    require!(missing_python());
     let files = manifests();
     let (passed, text) = validate(&files);
     assert!(passed, "{text}");
@@ -67,6 +69,7 @@ fn the_manifests_validate_against_the_kubernetes_schemas() {
         "serviceaccount/socklb",
         "clusterrole/socklb",
         "clusterrolebinding/socklb",
+        "daemonset/socklb-uninstall",
     ] {
         assert!(
             text.contains(&format!("passed for resource {object}")),
@@ -77,7 +80,7 @@ fn the_manifests_validate_against_the_kubernetes_schemas() {
     // The validator does refuse a broken manifest (a misspelt field).
     let dir = std::env::temp_dir().join(unique_name("manifest"));
     std::fs::create_dir(&dir).unwrap();
-    let daemonset = std::fs::read_to_string(repo().join("deploy/kubernetes/daemonset.yaml"))
+    let daemonset = std::fs::read_to_string(daemonset_path())
         .unwrap()
         .replace("tolerations:", "toleration:");
     let broken = dir.join("daemonset.yaml");
@@ -87,35 +90,74 @@ fn the_manifests_validate_against_the_kubernetes_schemas() {
     assert!(!passed && text.contains("toleration"), "{text}");
 }
 
-/// The DaemonSet's pod spec, read with PyYAML (which the Kubernetes
-/// client brings) as JSON.
-fn daemonset_pod_spec() -> serde_json::Value {
-    let script = r#"
-import json, sys, yaml
-daemonset = yaml.safe_load(open(sys.argv[1]))
-print(json.dumps(daemonset["spec"]["template"]["spec"]))
-"#;
-    let output = Command::new(python())
-        .arg("-c")
-        .arg(script)
-        .arg(repo().join("deploy/kubernetes/daemonset.yaml"))
-        .output()
-        .expect("python");
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    serde_json::from_slice(&output.stdout).expect("the pod spec as JSON")
+/// The host path behind each of a container's mount paths.
+fn host_paths_by_mount(
+    pod: &serde_json::Value,
+    container: &serde_json::Value,
+) -> Vec<(String, String)> {
+    let mut paths: Vec<(String, String)> = container["volumeMounts"]
+        .as_array()
+        .expect("volumeMounts")
+        .iter()
+        .map(|mount| {
+            let volume = pod["volumes"]
+                .as_array()
+                .and_then(|volumes| {
+                    volumes
+                        .iter()
+                        .find(|volume| volume["name"] == mount["name"])
+                })
+                .expect("the mount's volume");
+            (
+                mount["mountPath"].as_str().unwrap().to_string(),
+                volume["hostPath"]["path"]
+                    .as_str()
+                    .unwrap_or("(not a hostPath)")
+                    .to_string(),
+            )
+        })
+        .collect();
+    paths.sort();
+    paths
 }
 
-/// The DaemonSet's socklb container.
-fn daemonset_container() -> serde_json::Value {
-    daemonset_pod_spec()["containers"]
-        .as_array()
-        .and_then(|containers| containers.iter().find(|c| c["name"] == "socklb"))
-        .expect("the socklb container")
-        .clone()
+#[test]
+fn the_cleanup_manifest_uninstalls_with_the_daemons_privileges_and_paths() {
+    let cleanup = pod_spec(&object(&uninstall_path(), "DaemonSet", "socklb-uninstall"));
+    let uninstall = container(&cleanup, "uninstall");
+    let daemonset = daemonset_pod_spec();
+    let daemon = container(&daemonset, "socklb");
+    assert_eq!(uninstall["securityContext"], daemon["securityContext"]);
+    let pin_path = strings(&daemon["args"])
+        .into_iter()
+        .find(|arg| arg.starts_with("--pin-path="))
+        .expect("the daemon's pin path");
+    assert_eq!(
+        strings(&uninstall["args"]),
+        ["uninstall".to_string(), pin_path]
+    );
+    // The same lock directory, through the same variable.
+    let run_dir = |container: &serde_json::Value| {
+        container["env"]
+            .as_array()
+            .and_then(|env| {
+                env.iter()
+                    .find(|variable| variable["name"] == "SOCKLB_RUN_DIR")
+            })
+            .map(|variable| variable["value"].clone())
+    };
+    assert_eq!(run_dir(&uninstall), run_dir(&daemon));
+    // Each of its mounts is the daemon's: same path, same node directory.
+    let daemon_paths = host_paths_by_mount(&daemonset, &daemon);
+    for mount in host_paths_by_mount(&cleanup, &uninstall) {
+        assert!(
+            daemon_paths.contains(&mount),
+            "{mount:?} in {daemon_paths:?}"
+        );
+    }
+    // The same nodes: agents, whatever their taints.
+    assert_eq!(cleanup["affinity"], daemonset["affinity"]);
+    assert_eq!(cleanup["tolerations"], daemonset["tolerations"]);
 }
 
 /// The capabilities the DaemonSet adds, in setpriv's spelling (`bpf`).
@@ -136,18 +178,10 @@ fn daemonset_capabilities() -> Vec<String> {
         .collect()
 }
 
-/// One `Key=value` line of the systemd unit.
-fn unit_setting(unit: &str, key: &str) -> String {
-    unit.lines()
-        .find_map(|line| line.strip_prefix(&format!("{key}=")))
-        .unwrap_or_else(|| panic!("the unit sets {key}"))
-        .to_string()
-}
-
 #[test]
 fn the_systemd_unit_verifies_and_bounds_the_same_capabilities() {
-    let path = repo().join("deploy/systemd/socklb.service");
-    let unit = std::fs::read_to_string(&path).unwrap();
+    require!(missing_python());
+    let unit = std::fs::read_to_string(unit_path()).unwrap();
     let mut bounding: Vec<String> = unit_setting(&unit, "CapabilityBoundingSet")
         .split_whitespace()
         .map(|cap| cap.trim_start_matches("CAP_").to_ascii_lowercase())
@@ -277,21 +311,7 @@ fn run_as(launcher: &[String], run_dir: &Path, args: &[&str]) -> std::process::O
 /// The init container's command from deploy/kubernetes/daemonset.yaml:
 /// `/bin/sh -ec SCRIPT`.
 fn init_container_command() -> Vec<String> {
-    let spec = daemonset_pod_spec();
-    let init = spec["initContainers"]
-        .as_array()
-        .and_then(|containers| {
-            containers
-                .iter()
-                .find(|container| container["name"] == "mount-bpffs")
-        })
-        .expect("the mount-bpffs init container");
-    init["command"]
-        .as_array()
-        .expect("its command")
-        .iter()
-        .map(|word| word.as_str().expect("a string").to_string())
-        .collect()
+    strings(&container(&daemonset_pod_spec(), "mount-bpffs")["command"])
 }
 
 /// socklb as the DaemonSet runs it: uid 0 holding exactly the capabilities
@@ -453,17 +473,19 @@ fn least_privilege(start: BpffsStart) {
 
 #[test]
 fn socklb_runs_with_exactly_the_daemonsets_capabilities_on_a_0700_bpffs() {
+    require_root!();
     least_privilege(BpffsStart::Mounted0700);
 }
 
 #[test]
 fn without_bpffs_the_init_container_mounts_it_and_socklb_runs_with_exactly_its_capabilities() {
+    require_root!();
     least_privilege(BpffsStart::Unmounted);
 }
 
 #[test]
 fn the_daemon_tells_systemd_when_it_redirects() {
-    require_root();
+    require_root!();
     // The unit is Type=notify: a socket like systemd's NOTIFY_SOCKET.
     let dir = TempDir::new("notify");
     let socket_path = dir.0.join("notify");

@@ -49,7 +49,7 @@ fn backends_on_one_port(base: u8, holding: bool) -> (u16, Vec<Backend>) {
 
 #[test]
 fn a_server_added_through_the_api_serves_within_1s_and_a_relist_after_410_follows() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("disc-add");
     let (port, backends) = backends_on_one_port(41, false);
     let [b0, b1, b2] = [&backends[0], &backends[1], &backends[2]];
@@ -103,7 +103,7 @@ fn a_server_added_through_the_api_serves_within_1s_and_a_relist_after_410_follow
 
 #[test]
 fn a_server_removed_through_the_api_is_drained() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("disc-drain");
     let (port, backends) = backends_on_one_port(44, true);
     let [b0, b1] = [&backends[0], &backends[1]];
@@ -154,7 +154,7 @@ fn a_server_removed_through_the_api_is_drained() {
 
 #[test]
 fn the_api_unreachable_keeps_the_last_known_set() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("disc-down");
     let (port, backends) = backends_on_one_port(47, false);
     let [b0, b1, b2] = [&backends[0], &backends[1], &backends[2]];
@@ -205,7 +205,7 @@ fn the_api_unreachable_keeps_the_last_known_set() {
 
 #[test]
 fn a_restart_while_the_api_is_down_uses_the_persisted_set() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("disc-restart");
     let (port, backends) = backends_on_one_port(50, false);
     let [b0, b1, b2] = [&backends[0], &backends[1], &backends[2]];
@@ -248,7 +248,7 @@ fn a_restart_while_the_api_is_down_uses_the_persisted_set() {
 
 #[test]
 fn a_slice_with_no_ready_endpoint_keeps_the_last_known_set_and_warns() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("disc-unready");
     let (port, backends) = backends_on_one_port(53, false);
     let [b0, b1] = [&backends[0], &backends[1]];
@@ -303,7 +303,7 @@ fn a_slice_with_no_ready_endpoint_keeps_the_last_known_set_and_warns() {
 
 #[test]
 fn the_apiserver_is_reachable_only_through_socklbs_own_vip() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("disc-vip");
     let vip = vip();
     // The apiserver listens on 127.0.0.56; its kubeconfig names the VIP,

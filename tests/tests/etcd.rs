@@ -10,7 +10,8 @@ use std::{
 };
 
 use socklb_tests::{
-    Cgroup, Daemon, cluster::Cluster, free_port, record_figures, service_args, unique_name,
+    Cgroup, Daemon, cluster::Cluster, free_port, record_figures, require_root, service_args,
+    unique_name,
 };
 
 const CLIENT_PORT: u16 = 2379;
@@ -114,6 +115,7 @@ fn attempts(tries: u32, mut command: impl FnMut() -> Output) -> (u32, Output) {
 
 #[test]
 fn etcd_behind_the_vip_keeps_serving_when_the_leader_dies() {
+    require_root!();
     // Declared first, so it is removed last, after the members are killed.
     let data_dir = DataDir(std::env::temp_dir().join(unique_name("etcd")));
     std::fs::create_dir_all(&data_dir.0).expect("data dir");
@@ -207,13 +209,19 @@ fn etcd_behind_the_vip_keeps_serving_when_the_leader_dies() {
     // Two members down: no quorum. Record what happens; nothing can succeed
     // for writes, and the test only checks that it ends in bounded time.
     let survivor = (leader + 1) % 3;
+    let killed: Vec<SocketAddr> = (0..3)
+        .filter(|index| *index != survivor)
+        .map(|index| members[index])
+        .collect();
     for index in (0..3).filter(|index| *index != survivor) {
         cluster.servers[index].kill();
     }
     let started = Instant::now();
     let (tries, lost) = attempts(2, || put("quorum", "lost"));
     let write_took = started.elapsed();
-    std::thread::sleep(Duration::from_secs(2));
+    // socklb has seen both members go (their connects are refused).
+    let fall_bound = daemon.fall_bound();
+    daemon.wait_health(&killed, false, fall_bound);
     let status = daemon.status().expect("status");
     let healthy = status["services"][0]["backends"]
         .as_array()

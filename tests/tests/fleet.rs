@@ -85,7 +85,7 @@ fn returning_server_share(label: &str, base: u8, extra: &[&str]) -> i64 {
 
 #[test]
 fn slow_start_keeps_a_returning_server_from_taking_the_herd() {
-    require_root();
+    require_root!();
     let without = returning_server_share("herd-base", 81, &[]);
     let with = returning_server_share("herd-slow", 85, &["--slow-start", "30s"]);
     record_figures(&format!(
@@ -116,7 +116,7 @@ fn episode_moves(log: &str) -> Option<(u64, u64)> {
 
 #[test]
 fn rebalancing_evens_out_long_lived_connections_after_a_server_returns() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("rebalance");
     let mut backends: Vec<Backend> = (0..3u8)
         .map(|index| {
@@ -200,4 +200,175 @@ fn rebalancing_evens_out_long_lived_connections_after_a_server_returns() {
         before,
         "no move in balance"
     );
+}
+
+fn closes_in(log: &str) -> usize {
+    log.lines()
+        .filter(|line| line.contains("(close-on-failure)") && line.contains(": closed "))
+        .count()
+}
+
+/// Issue 18: when every server is slow (all answer /readyz in 1.5 s
+/// against socklb's default 1 s timeout), every backend goes down within
+/// a few seconds. close-on-failure used to abort every connection on the
+/// node, and the herd reconnected at once to servers no better. Now no
+/// connection is closed while none is healthy (nor while the others fail
+/// their probes too), the table fails open, the agents' connections stay
+/// up, and when health comes back nothing is closed either.
+#[test]
+fn when_every_server_is_slow_no_connection_is_closed() {
+    require_root!();
+    let cluster = socklb_tests::cluster::Cluster::new(3);
+    let cgroup = Cgroup::new("allslow");
+    let addrs = cluster.addrs();
+    let vip = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let metrics = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let metrics_flag = metrics.to_string();
+    // socklb's defaults: probes every 1 s, timeout 1 s, fall 3, rise 2,
+    // close-on-failure on, fail-open.
+    let mut flags = socklb_tests::DEFAULT_APISERVER_HEALTH.to_vec();
+    flags.extend(["--metrics-addr", &metrics_flag]);
+    let mut daemon = Daemon::start(
+        "allslow",
+        &service_args(&cgroup.path, &[vip], &addrs, &flags),
+    );
+    daemon.wait_health(&addrs, true, LIMIT);
+    // 30 long-lived agents: one keep-alive TLS connection each, a /readyz
+    // request every second with a 2 s timeout.
+    let agents = socklb_tests::herd::Agents::spawn(vip, &cgroup.path, 30, &[]);
+    daemon.wait_for("30 agents connected", LIMIT, |status| {
+        addrs.iter().map(|addr| live(status, *addr)).sum::<i64>() == 30
+    });
+
+    for server in &cluster.servers {
+        server.toggle_slow();
+    }
+    let all_down = daemon.wait_for("every backend down", LIMIT, |status| {
+        addrs.iter().all(|addr| !healthy(status, *addr))
+    });
+    let status = daemon.status().expect("status");
+    let live_when_none: i64 = addrs.iter().map(|addr| live(&status, *addr)).sum();
+    assert!(
+        daemon.log_shows("no backend is healthy: connections stay", LIMIT),
+        "said once:\n{}",
+        daemon.log()
+    );
+    let kept = socklb_tests::scrape_metrics(metrics)
+        .get("socklb_close_on_failure_kept_total{service=\"default\"}")
+        .copied();
+    let closed_while_down = closes_in(&daemon.log());
+
+    for server in &cluster.servers {
+        server.toggle_slow();
+    }
+    daemon.wait_health(&addrs, true, LIMIT);
+    // A few ticks after the recovery: the held and kept closes would have
+    // been made by now.
+    daemon.wait_beats(4, LIMIT);
+    let closed_at_all = closes_in(&daemon.log());
+    let summary = agents.summary();
+    socklb_tests::record_figures(&format!(
+        "every server slow (/readyz in 1.5 s, timeout 1 s, socklb's defaults): all 3 down after {} ms; {closed_while_down} closes while none was healthy, {closed_at_all} in all; {live_when_none} of 30 connections live with none healthy; the agents made {} requests, {} failed, {} reconnects",
+        all_down.as_millis(),
+        summary["requests"],
+        summary["failed"],
+        summary["reconnects"]
+    ));
+    assert_eq!(closed_while_down, 0, "{}", daemon.log());
+    assert_eq!(
+        closed_at_all,
+        0,
+        "no herd of closes on recovery:\n{}",
+        daemon.log()
+    );
+    assert_eq!(live_when_none, 30, "the connections stay where they are");
+    assert_eq!(kept, Some(1.0), "counted once");
+    assert_eq!(
+        daemon.log().matches("no backend is healthy").count(),
+        1,
+        "said once"
+    );
+    assert_eq!(summary["reconnects"], 0, "{summary}");
+    assert_eq!(summary["connects"], 30, "{summary}");
+    assert_eq!(summary["failed"], 0, "{summary}");
+}
+
+/// Issue 18: a rebalancing rule that reaches balance at its defaults. 300
+/// long-lived reconnecting clients over three servers with least-conn and
+/// `--rebalance` at its defaults (tolerance 0.2, after 10 s, 5/s); one
+/// server fails (close-on-failure moves its clients to the other two) and
+/// comes back. The rule judges the least loaded as well as the most, and
+/// an episode runs to the fair share: max/min at most 1.3 within 75 s of
+/// the recovery, with at most 1.5× the least moves.
+#[test]
+fn rebalancing_reaches_balance_at_its_defaults() {
+    require_root!();
+    let cgroup = Cgroup::new("rebal-defaults");
+    let mut backends: Vec<Backend> = (0..3u8)
+        .map(|index| {
+            Backend::start_holding(&format!("b{index}"), &format!("127.0.0.{}", 111 + index))
+        })
+        .collect();
+    let addrs: Vec<SocketAddr> = backends.iter().map(|backend| backend.addr).collect();
+    let vip = SocketAddr::from(([127, 0, 0, 1], free_port()));
+    let flags = ["--policy", "least-conn", "--rebalance"];
+    let mut daemon = Daemon::start(
+        "rebal-defaults",
+        &service_args(&cgroup.path, &[vip], &addrs, &flags),
+    );
+    daemon.wait_health(&addrs, true, LIMIT);
+    let mut clients =
+        ConnClient::hold_reconnecting(vip, &cgroup.path, 300, Duration::from_secs(240));
+    daemon.wait_for("300 clients connected", LIMIT, |status| {
+        addrs.iter().map(|addr| live(status, *addr)).sum::<i64>() == 300
+    });
+
+    // b2 fails: close-on-failure sends its clients to b0 and b1.
+    backends[2].stop();
+    daemon.wait_for("b2 down and empty, its clients back", LIMIT, |status| {
+        !healthy(status, addrs[2])
+            && live(status, addrs[2]) == 0
+            && addrs.iter().map(|addr| live(status, *addr)).sum::<i64>() == 300
+    });
+    backends[2].resume();
+    daemon.wait_for("b2 back", LIMIT, |status| healthy(status, addrs[2]));
+    let at_recovery: Vec<i64> = {
+        let status = daemon.status().unwrap();
+        addrs.iter().map(|addr| live(&status, *addr)).collect()
+    };
+    let total: i64 = at_recovery.iter().sum();
+    let fair = (total + 2) / 3;
+    let least: i64 = at_recovery.iter().map(|live| (live - fair).max(0)).sum();
+
+    let balanced = |status: &serde_json::Value| {
+        let counts: Vec<i64> = addrs.iter().map(|addr| live(status, *addr)).collect();
+        let max = *counts.iter().max().unwrap_or(&0);
+        let min = *counts.iter().min().unwrap_or(&0);
+        min > 0 && max * 10 <= min * 13
+    };
+    let took = daemon.wait_for("max/min ≤ 1.3", Duration::from_secs(75), balanced);
+    assert!(
+        daemon.log_shows("in balance again", Duration::from_secs(30)),
+        "the episode ends:\n{}",
+        daemon.log()
+    );
+    let status = daemon.status().unwrap();
+    let end: Vec<i64> = addrs.iter().map(|addr| live(&status, *addr)).collect();
+    let moves = status["daemon_info"]["fleet"][0]["rebalance_moves"]
+        .as_u64()
+        .unwrap_or(u64::MAX);
+    clients.release();
+    let ends = clients.finish();
+    let lost = ends.iter().filter(|end| end["end"] != "open").count();
+    record_figures(&format!(
+        "rebalancing at its defaults (tolerance 0.2, after 10 s, 5/s), 300 reconnecting clients, least-conn: live {at_recovery:?} when the failed server was back, max/min ≤ 1.3 after {} ms, {end:?} when the episode ended; {moves} moves for a minimum of {least} ({:.2}×); {lost} clients lost",
+        took.as_millis(),
+        moves as f64 / least.max(1) as f64
+    ));
+    assert!(balanced(&status), "still in balance: {end:?}");
+    assert!(
+        moves as f64 <= 1.5 * least as f64,
+        "{moves} moves for a minimum of {least}"
+    );
+    assert_eq!(lost, 0, "every client reconnected");
 }

@@ -72,7 +72,7 @@ fn heartbeat_age(daemon: &Daemon) -> Duration {
 
 #[test]
 fn idle_and_slow_local_clients_delay_neither_a_scrape_nor_the_heartbeat() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("hostile-metrics");
     let backend = Backend::start("b0", "127.0.0.121");
     let vip = local(free_port());
@@ -184,7 +184,7 @@ fn set_soft_nofile(pid: u32, soft: u64) -> libc::rlimit {
 
 #[test]
 fn accept_loops_pause_on_emfile_instead_of_spinning() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("hostile-emfile");
     let backend = Backend::start("b0", "127.0.0.122");
     let vip = local(free_port());

@@ -101,7 +101,7 @@ fn slice_of_addresses(port: u16, count: usize, per_endpoint: usize) -> SliceSpec
 
 #[test]
 fn a_foreign_endpointslice_cannot_redirect_the_apiserver_traffic() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("hostile-manager");
     let port = free_port();
     let good = backends("good", 61, 2, port);
@@ -161,7 +161,7 @@ fn a_foreign_endpointslice_cannot_redirect_the_apiserver_traffic() {
 
 #[test]
 fn a_slice_of_1001_endpoints_is_refused_and_none_of_its_addresses_is_probed() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("hostile-cap");
     let port = free_port();
     let good = backends("good", 71, 1, port);
@@ -215,7 +215,7 @@ fn a_slice_of_1001_endpoints_is_refused_and_none_of_its_addresses_is_probed() {
 
 #[test]
 fn one_huge_or_invalid_slice_is_refused_alone_and_later_changes_apply() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("hostile-huge");
     let port = free_port();
     let mut servers = backends("server", 81, 2, port);
@@ -279,89 +279,13 @@ fn one_huge_or_invalid_slice_is_refused_alone_and_later_changes_apply() {
     ));
 }
 
-/// A cgroup of the v1 memory controller with a limit, removed on drop
-/// (after the daemon in it, which is declared later, is gone).
-struct MemoryCgroup {
-    path: PathBuf,
-}
-
-impl MemoryCgroup {
-    const ROOT: &str = "/sys/fs/cgroup/memory";
-
-    fn new(label: &str, limit: u64) -> Self {
-        assert!(
-            Path::new(Self::ROOT).join("cgroup.procs").exists(),
-            "this test needs the cgroup v1 memory controller at {}",
-            Self::ROOT
-        );
-        let path = Path::new(Self::ROOT).join(unique_name(label));
-        std::fs::create_dir(&path).unwrap_or_else(|error| panic!("{}: {error}", path.display()));
-        let group = Self { path };
-        group.write("memory.limit_in_bytes", &limit.to_string());
-        // Without swap counted in, the limit could spill to swap.
-        let memsw = group.path.join("memory.memsw.limit_in_bytes");
-        if memsw.exists() {
-            group.write("memory.memsw.limit_in_bytes", &limit.to_string());
-        }
-        group
-    }
-
-    fn write(&self, file: &str, value: &str) {
-        let path = self.path.join(file);
-        std::fs::write(&path, value).unwrap_or_else(|error| panic!("{}: {error}", path.display()));
-    }
-
-    fn read_u64(&self, file: &str) -> u64 {
-        let path = self.path.join(file);
-        std::fs::read_to_string(&path)
-            .unwrap_or_else(|error| panic!("{}: {error}", path.display()))
-            .trim()
-            .parse()
-            .expect("a number")
-    }
-
-    /// A command prefix that runs the rest of its arguments in this group.
-    fn launcher(&self) -> Vec<String> {
-        let procs = self.path.join("cgroup.procs");
-        vec![
-            "sh".into(),
-            "-c".into(),
-            format!("echo $$ > {} && exec \"$@\"", procs.display()),
-            "sh".into(),
-        ]
-    }
-
-    fn oom_kills(&self) -> u64 {
-        let path = self.path.join("memory.oom_control");
-        let text = std::fs::read_to_string(&path).expect("memory.oom_control");
-        text.lines()
-            .find_map(|line| line.strip_prefix("oom_kill "))
-            .and_then(|count| count.trim().parse().ok())
-            .unwrap_or(0)
-    }
-}
-
-impl Drop for MemoryCgroup {
-    fn drop(&mut self) {
-        // The daemon was killed before; its exit may take a moment to
-        // leave the group.
-        for _ in 0..100 {
-            if std::fs::remove_dir(&self.path).is_ok() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        eprintln!("could not remove {}", self.path.display());
-    }
-}
-
 const MIB: u64 = 1 << 20;
 
 #[test]
 fn a_watch_line_or_a_list_that_never_ends_costs_a_bounded_read_not_the_daemon() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("hostile-endless");
-    let memory = MemoryCgroup::new("endless", 128 * MIB);
+    let memory = socklb_tests::MemoryCgroup::new("endless", 128 * MIB);
     let port = free_port();
     let servers = backends("server", 91, 2, port);
     let api = KubeApi::start_on(191);
@@ -439,7 +363,7 @@ fn a_watch_line_or_a_list_that_never_ends_costs_a_bounded_read_not_the_daemon() 
 
 #[test]
 fn a_watch_that_fails_at_once_is_retried_with_a_backoff_that_lists_do_not_reset() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("hostile-backoff");
     let port = free_port();
     let servers = backends("server", 101, 1, port);
@@ -523,7 +447,7 @@ fn link(target: &Path, path: &Path) {
 
 #[test]
 fn a_k3s_state_file_that_others_can_write_is_refused_saying_why() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("hostile-k3s");
     let port = free_port();
     let seed = Backend::start_at("seed", SocketAddr::from(([127, 0, 0, 111], port)));

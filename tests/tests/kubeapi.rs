@@ -9,8 +9,12 @@ use std::{
 };
 
 use serde_json::{Value, json};
-use socklb_tests::kube::{
-    KubeApi, KubeApiOptions, SERVICE_NAME_LABEL, SliceEndpoint, SliceSpec, python,
+use socklb_tests::{
+    kube::{
+        KubeApi, KubeApiOptions, SERVICE_NAME_LABEL, SliceEndpoint, SliceSpec, missing_python,
+        python,
+    },
+    require,
 };
 
 /// Lists the slices of one service with the official client, then watches
@@ -123,6 +127,7 @@ fn strip_volatile(summary: &mut Value) {
 
 #[test]
 fn the_official_python_client_lists_and_watches_endpoint_slices() {
+    require!(missing_python());
     let python = python();
     let api = KubeApi::start();
     let kubernetes = SliceSpec::new("kubernetes", "IPv4")

@@ -16,7 +16,8 @@ use socklb::{
     planner::{Layout, plan},
 };
 use socklb_tests::{
-    Backend, Cgroup, ClientRun, Daemon, free_port, require_root, service_args, socklb, spread,
+    Backend, Cgroup, ClientRun, Daemon, free_port, pace_bound, require_root, service_args, socklb,
+    spread,
 };
 
 fn three_backends() -> Vec<Backend> {
@@ -129,7 +130,7 @@ fn one_backend(label: &str, extra: &[&str]) -> OneBackend {
 
 #[test]
 fn sigkill_and_restart_while_a_client_connects_fails_no_connect() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("restart");
     let backends = three_backends();
     let vip = vip();
@@ -137,10 +138,13 @@ fn sigkill_and_restart_while_a_client_connects_fails_no_connect() {
 
     let mut run = ClientRun::new(vip, Some(&cgroup.path), 600);
     run.interval_ms = 5;
+    let interval = Duration::from_millis(run.interval_ms);
     let client = run.spawn();
-    std::thread::sleep(Duration::from_millis(500));
+    // The client connects through the VIP before the kill, and the pinned
+    // data plane goes on redirecting it while no daemon runs.
+    let before_kill = daemon.wait_redirects(0, 50, pace_bound(50, interval));
     daemon.kill();
-    std::thread::sleep(Duration::from_millis(500));
+    daemon.wait_redirects(before_kill, 50, pace_bound(50, interval));
     daemon.restart();
     daemon.wait_health(&addrs(&backends), true, Duration::from_secs(10));
     let attempts = client.finish();
@@ -161,6 +165,7 @@ fn sigkill_and_restart_while_a_client_connects_fails_no_connect() {
 
 #[test]
 fn sigterm_leaves_the_data_plane_and_cleanup_on_exit_removes_it() {
+    require_root!();
     let OneBackend {
         cgroup,
         backend,
@@ -216,7 +221,7 @@ fn sigterm_leaves_the_data_plane_and_cleanup_on_exit_removes_it() {
 
 #[test]
 fn uninstall_removes_our_pins_links_and_programs_and_nothing_else() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("uninstall");
     let backend = Backend::start("b0", "127.0.0.2");
     let other_backend = Backend::start("other", "127.0.0.3");
@@ -298,6 +303,7 @@ fn uninstall_removes_our_pins_links_and_programs_and_nothing_else() {
 
 #[test]
 fn bpftool_map_dump_prints_named_fields() {
+    require_root!();
     let setup = one_backend("btf", &[]);
     let daemon = &setup.daemon;
     let dump = dump_small_maps(&daemon.pin_path);
@@ -319,6 +325,7 @@ fn bpftool_map_dump_prints_named_fields() {
 
 #[test]
 fn a_bad_config_leaves_the_kernel_untouched() {
+    require_root!();
     let OneBackend {
         cgroup,
         backend: _backend,
@@ -456,7 +463,7 @@ fn a_bad_config_leaves_the_kernel_untouched() {
 
 #[test]
 fn table_swaps_under_churn_never_show_a_half_written_table() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("churn");
     let backends = three_backends();
     let vip = vip();
@@ -531,6 +538,7 @@ fn table_swaps_under_churn_never_show_a_half_written_table() {
 /// connect program's records reach the daemon's log.
 #[test]
 fn kernel_logs_are_forwarded_when_asked_for() {
+    require_root!();
     let OneBackend {
         cgroup,
         backend,
@@ -563,6 +571,7 @@ fn kernel_logs_are_forwarded_when_asked_for() {
 
 #[test]
 fn a_tampered_service_entry_is_restored_with_a_warning() {
+    require_root!();
     let OneBackend {
         cgroup,
         backend: _backend,

@@ -72,7 +72,7 @@ fn config_args(config: &Path, cgroup: &Path, extra: &[&str]) -> Vec<String> {
 
 #[test]
 fn live_reload_keeps_every_connect() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("reload");
     // b0 holds its connections open (to see them closed when it leaves);
     // b1 and b2 also answer the http probe of step 4.
@@ -260,7 +260,7 @@ fn role(status: &serde_json::Value, addr: SocketAddr) -> Option<String> {
 
 #[test]
 fn k3s_state_file_followed_and_persisted() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("k3s");
     let backends: Vec<Backend> = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
         .iter()
@@ -364,7 +364,7 @@ fn sample(samples: &BTreeMap<String, f64>, key: &str) -> f64 {
 
 #[test]
 fn metrics_agree_with_status() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("metrics");
     let b0 = Backend::start("b0", "127.0.0.2");
     let mut b1 = Backend::start("b1", "127.0.0.3");
@@ -529,7 +529,7 @@ fn publish_configmap(dir: &Path, version: u32, text: &str) {
 
 #[test]
 fn a_configmap_volume_update_is_applied() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("configmap");
     let b0 = Backend::start("b0", "127.0.0.2");
     let b1 = Backend::start("b1", "127.0.0.3");

@@ -8,8 +8,8 @@ use std::{
 };
 
 use socklb_tests::{
-    Backend, Cgroup, ClientRun, Daemon, backend_field, free_port, require_root, service_args,
-    spread,
+    Backend, Cgroup, ClientRun, Daemon, backend_field, free_port, live_connections, pace_bound,
+    require_root, service_args, spread, time_until,
 };
 
 const ECONNREFUSED: i32 = 111;
@@ -68,6 +68,7 @@ fn named_listener(name: &str, addr: SocketAddr) -> Backend {
 
 #[test]
 fn redirect_happens_and_getpeername_shows_the_vip() {
+    require_root!();
     let setup = Setup::new("redirect", &["127.0.0.2"], &[]);
     let attempts = setup.connect(5);
     for attempt in &attempts {
@@ -90,6 +91,7 @@ fn redirect_happens_and_getpeername_shows_the_vip() {
 
 #[test]
 fn three_hundred_connects_spread_over_three_backends() {
+    require_root!();
     let setup = Setup::new("spread", &["127.0.0.2", "127.0.0.3", "127.0.0.4"], &[]);
     let attempts = setup.connect(300);
     let counts = spread(&attempts);
@@ -115,6 +117,7 @@ fn three_hundred_connects_spread_over_three_backends() {
 
 #[test]
 fn a_process_outside_the_cgroup_is_not_redirected() {
+    require_root!();
     let setup = Setup::new("outside", &["127.0.0.2"], &[]);
     let _vip_listener = named_listener("vip-listener", setup.vip);
     let outside = ClientRun::new(setup.vip, None, 3).run();
@@ -133,6 +136,7 @@ fn a_process_outside_the_cgroup_is_not_redirected() {
 
 #[test]
 fn other_addresses_and_ports_inside_the_cgroup_are_untouched() {
+    require_root!();
     let setup = Setup::new("nonvip", &["127.0.0.2"], &[]);
     let other_port = named_listener(
         "other-port",
@@ -160,6 +164,7 @@ fn other_addresses_and_ports_inside_the_cgroup_are_untouched() {
 
 #[test]
 fn a_nested_child_cgroup_is_redirected() {
+    require_root!();
     let setup = Setup::new("nested", &["127.0.0.2"], &[]);
     let child = setup.cgroup.child("inner");
     let attempts = ClientRun::new(setup.vip, Some(&child.path), 3).run();
@@ -174,7 +179,7 @@ fn a_nested_child_cgroup_is_redirected() {
 
 #[test]
 fn ipv6_vip_and_ipv4_vip_from_a_mapped_socket() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("ipv6");
     let v4_backend = Backend::start("v4-backend", "127.0.0.2");
     let v6_backend = Backend::start("v6-backend", "::1");
@@ -225,6 +230,7 @@ fn ipv6_vip_and_ipv4_vip_from_a_mapped_socket() {
 
 #[test]
 fn a_process_in_another_netns_is_left_alone_unless_allowed() {
+    require_root!();
     let setup = Setup::new("netns", &["127.0.0.2"], &[]);
     let mut run = ClientRun::new(setup.vip, Some(&setup.cgroup.path), 3);
     run.new_netns = true;
@@ -252,6 +258,7 @@ fn a_process_in_another_netns_is_left_alone_unless_allowed() {
 
 #[test]
 fn a_stopped_backend_leaves_the_table_in_time_and_gets_no_new_connects() {
+    require_root!();
     let (interval_ms, timeout_ms, fall) = (300u64, 300u64, 3u64);
     let interval = format!("{interval_ms}ms");
     let timeout = format!("{timeout_ms}ms");
@@ -334,6 +341,7 @@ fn all_down_then_b0_listens(policy: &str) -> (Setup, Vec<socklb_tests::Attempt>)
 
 #[test]
 fn all_backends_down_fail_open_uses_every_backend() {
+    require_root!();
     let (setup, attempts) = all_down_then_b0_listens("fail-open");
     let counts = spread(&attempts);
     assert!(
@@ -354,6 +362,7 @@ fn all_backends_down_fail_open_uses_every_backend() {
 
 #[test]
 fn all_backends_down_reject_refuses_with_econnrefused() {
+    require_root!();
     let (setup, attempts) = all_down_then_b0_listens("reject");
     for attempt in &attempts {
         assert!(
@@ -372,6 +381,7 @@ fn all_backends_down_reject_refuses_with_econnrefused() {
 
 #[test]
 fn a_vip_port_without_a_service_listener_elsewhere_stays_refused() {
+    require_root!();
     // Guard against a program that redirects every port of the VIP address.
     let setup = Setup::new("vipport", &["127.0.0.2"], &[]);
     let unused = SocketAddr::from(([127, 0, 0, 1], free_port()));
@@ -385,7 +395,7 @@ fn a_vip_port_without_a_service_listener_elsewhere_stays_refused() {
 
 #[test]
 fn a_standby_backend_serves_only_while_no_other_is_healthy() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("standby");
     let mut primary = Backend::start("primary", "127.0.0.2");
     let standby = Backend::start("standby", "127.0.0.3");
@@ -450,7 +460,18 @@ fn held_connections_when_the_backend_fails(
         .collect();
     // A process outside the cgroup that dialled the backend directly.
     let mut direct = std::net::TcpStream::connect(primary.addr).expect("direct connect");
-    std::thread::sleep(Duration::from_millis(300));
+    // Every client holds its connection (counted live by the kernel) and
+    // the primary has accepted all five.
+    daemon.wait_for(
+        "the 4 held connections live on the primary",
+        pace_bound(4, Duration::ZERO),
+        |status| live_connections(status, primary.addr) == 4,
+    );
+    time_until(
+        "the primary accepted the held and the direct connections",
+        pace_bound(5, Duration::ZERO),
+        || primary.accepted() >= 5,
+    );
     primary.stop();
     daemon.wait_health(&[primary.addr], false, Duration::from_secs(10));
     let attempts: Vec<_> = clients
@@ -471,6 +492,7 @@ fn held_connections_when_the_backend_fails(
 
 #[test]
 fn connections_to_a_failed_backend_are_closed_and_others_are_not() {
+    require_root!();
     let (attempts, daemon, direct_alive) = held_connections_when_the_backend_fails("true");
     assert_eq!(attempts.len(), 4);
     for attempt in &attempts {
@@ -499,6 +521,7 @@ fn connections_to_a_failed_backend_are_closed_and_others_are_not() {
 
 #[test]
 fn close_on_failure_false_leaves_connections_alone() {
+    require_root!();
     let (attempts, _daemon, _) = held_connections_when_the_backend_fails("false");
     for attempt in &attempts {
         assert_eq!(attempt.hold_end.as_deref(), Some("timeout"), "{attempt:?}");
@@ -507,7 +530,7 @@ fn close_on_failure_false_leaves_connections_alone() {
 
 #[test]
 fn drain_stops_new_connections_and_keeps_existing_ones() {
-    require_root();
+    require_root!();
     let cgroup = Cgroup::new("drain");
     let drained = Backend::start_holding("drained", "127.0.0.2");
     let other = Backend::start_holding("other", "127.0.0.3");
@@ -541,7 +564,13 @@ fn drain_stops_new_connections_and_keeps_existing_ones() {
     let mut run = ClientRun::new(vip, Some(&cgroup.path), 1);
     run.hold_ms = Some(2500);
     let held: Vec<_> = (0..12).map(|_| run.spawn()).collect();
-    std::thread::sleep(Duration::from_millis(300));
+    daemon.wait_for(
+        "the 12 held connections live",
+        pace_bound(12, Duration::ZERO),
+        |status| {
+            live_connections(status, drained.addr) + live_connections(status, other.addr) == 12
+        },
+    );
     let output = socklb_tests::socklb(&["drain", &drained.addr.to_string(), "--pin-path", &pin]);
     assert!(
         output.status.success(),

@@ -13,7 +13,7 @@ use std::{
 use socklb_tests::{
     Cgroup, Daemon,
     cluster::{AgentRequest, AgentRun, Cluster, finish_all, served},
-    free_port, record_figures, service_args,
+    free_port, pace_bound, record_figures, redirects, require_root, service_args, total_redirects,
 };
 
 const INTERVAL_MS: u64 = 200;
@@ -22,6 +22,11 @@ const FALL: u64 = 2;
 const RISE: u64 = 2;
 /// Agents making steady traffic in scenarios 1 to 7.
 const AGENTS: usize = 3;
+/// How often each agent of the steady traffic makes a request.
+const TRAFFIC_INTERVAL_MS: u64 = 20;
+/// Connects of the steady traffic a scenario waits for before it breaks
+/// something: five per agent.
+const TRAFFIC_BEFORE: u64 = AGENTS as u64 * 5;
 
 /// The detection bound of the issue, interval × fall + timeout, with the
 /// ±20% jitter of the waits and 250 ms for a status poll to see it.
@@ -106,8 +111,17 @@ impl Scenario {
     /// Steady traffic: AGENTS agents, a request every 20 ms each, for about
     /// `seconds`.
     fn steady_traffic(&self, seconds: u64) -> Vec<socklb_tests::cluster::Agent> {
-        self.agents("/readyz", (seconds * 1000 / 25) as u32, 20)
+        self.agents("/readyz", (seconds * 1000 / 25) as u32, TRAFFIC_INTERVAL_MS)
             .spawn(AGENTS)
+    }
+
+    /// Waits until the kernel has redirected `count` more of the agents'
+    /// connects than `since` (every request is a new connection); returns
+    /// the new total.
+    fn wait_traffic(&mut self, since: u64, count: u64) -> u64 {
+        let interval = Duration::from_millis(TRAFFIC_INTERVAL_MS);
+        let limit = pace_bound(count as u32, interval);
+        self.daemon.wait_redirects(since, count, limit)
     }
 
     fn wait(&mut self, server: usize, healthy: bool) -> Duration {
@@ -152,6 +166,7 @@ fn failed(requests: &[AgentRequest]) -> usize {
 
 #[test]
 fn scenario_1_restart_all_servers() {
+    require_root!();
     let mut scenario = Scenario::new("sc1");
     let agents = scenario.steady_traffic(8);
     let mut detect = Vec::new();
@@ -171,12 +186,15 @@ fn scenario_1_restart_all_servers() {
 
 #[test]
 fn scenario_2_stop_one_server_and_start_it_again() {
+    require_root!();
     let mut scenario = Scenario::new("sc2");
     let agents = scenario.steady_traffic(4);
-    std::thread::sleep(Duration::from_millis(500));
+    scenario.wait_traffic(0, TRAFFIC_BEFORE);
     scenario.cluster.servers[1].kill();
     let down = scenario.wait(1, false);
-    std::thread::sleep(Duration::from_millis(500));
+    // Requests go on while s1 is out.
+    let at_down = total_redirects(&scenario.daemon.status().expect("status"));
+    scenario.wait_traffic(at_down, TRAFFIC_BEFORE);
     scenario.cluster.servers[1].start();
     let up = scenario.wait(1, true);
     let requests = finish_all(agents);
@@ -195,6 +213,7 @@ fn scenario_2_stop_one_server_and_start_it_again() {
 
 #[test]
 fn scenario_3_restart_servers_in_reverse_order() {
+    require_root!();
     let mut scenario = Scenario::new("sc3");
     let agents = scenario.steady_traffic(8);
     let mut detect = Vec::new();
@@ -212,9 +231,10 @@ fn scenario_3_restart_servers_in_reverse_order() {
 
 #[test]
 fn scenario_4_stop_two_servers() {
+    require_root!();
     let mut scenario = Scenario::new("sc4");
     let agents = scenario.steady_traffic(4);
-    std::thread::sleep(Duration::from_millis(500));
+    scenario.wait_traffic(0, TRAFFIC_BEFORE);
     scenario.cluster.servers[0].kill();
     scenario.cluster.servers[2].kill();
     let first = scenario.wait(0, false);
@@ -226,8 +246,23 @@ fn scenario_4_stop_two_servers() {
         &[("s0 down", first), ("s2 down", second)],
         &requests,
     );
-    assert!(first.max(second) <= detect_bound());
-    assert!(failed(&requests) <= AGENTS * 2, "{:?}", served(&requests));
+    let detected = first.max(second);
+    assert!(detected <= detect_bound());
+    // A request fails only if both its attempts meet a stopped server that
+    // the tables still list: only while detection runs (two of three
+    // servers are out, so a retry meets one two times in three). Each
+    // agent makes one request per interval, so at most that many per
+    // agent, plus the one in flight. Detection needs `fall` probes (a
+    // local process cannot speed it up: issue 17), so the count follows
+    // the measured detection time, not a fixed number.
+    let while_detecting =
+        AGENTS * (detected.as_millis() as usize / TRAFFIC_INTERVAL_MS as usize + 1);
+    assert!(
+        failed(&requests) <= while_detecting,
+        "{} failed, more than the {while_detecting} requests made while detection ran: {:?}",
+        failed(&requests),
+        served(&requests)
+    );
     let after = finish_all(scenario.agents("/readyz", 20, 10).spawn(1));
     assert!(
         after
@@ -241,9 +276,10 @@ fn scenario_4_stop_two_servers() {
 
 #[test]
 fn scenario_5_delete_a_server_and_add_a_new_one() {
+    require_root!();
     let mut scenario = Scenario::new("sc5");
     let agents = scenario.steady_traffic(5);
-    std::thread::sleep(Duration::from_millis(500));
+    scenario.wait_traffic(0, TRAFFIC_BEFORE);
     let added = scenario.cluster.add_server();
     let addrs = scenario.cluster.addrs();
     let new_set = [addrs[0], addrs[1], addrs[added]];
@@ -283,10 +319,22 @@ fn scenario_5_delete_a_server_and_add_a_new_one() {
 
 #[test]
 fn scenario_6_a_server_that_accepts_and_hangs() {
+    require_root!();
     let mut scenario = Scenario::new("sc6");
     // Requests every 20 ms, some of them on connections to s1 when it hangs.
-    let agents = scenario.agents("/readyz", 200, 20).spawn(AGENTS);
-    std::thread::sleep(Duration::from_millis(500));
+    let agents = scenario
+        .agents("/readyz", 200, TRAFFIC_INTERVAL_MS)
+        .spawn(AGENTS);
+    let s1 = scenario.cluster.servers[1].addr;
+    let limit = pace_bound(
+        TRAFFIC_BEFORE as u32 * 3,
+        Duration::from_millis(TRAFFIC_INTERVAL_MS),
+    );
+    scenario
+        .daemon
+        .wait_for("agents' connects to s1", limit, |status| {
+            redirects(status, s1) >= AGENTS as u64
+        });
     scenario.cluster.servers[1].hang_in_place();
     let hung_at = Instant::now();
     let out = scenario.wait(1, false);
@@ -319,9 +367,10 @@ fn scenario_6_a_server_that_accepts_and_hangs() {
 
 #[test]
 fn scenario_7_a_blackholed_server() {
+    require_root!();
     let mut scenario = Scenario::new("sc7");
     let agents = scenario.steady_traffic(4);
-    std::thread::sleep(Duration::from_millis(500));
+    scenario.wait_traffic(0, TRAFFIC_BEFORE);
     scenario.cluster.servers[2].blackhole();
     let out = scenario.wait(2, false);
     let requests = finish_all(agents);
@@ -333,6 +382,7 @@ fn scenario_7_a_blackholed_server() {
 
 #[test]
 fn scenario_8_a_herd_of_300_while_one_server_hangs() {
+    require_root!();
     // least-conn: 300 concurrent clients are its case. With random choice
     // the two healthy servers' shares of 300 differ by more than 1.3x in
     // about 2% of runs; two choices on live counts keep them even.
@@ -380,6 +430,7 @@ fn scenario_8_a_herd_of_300_while_one_server_hangs() {
 
 #[test]
 fn scenario_9_a_flapping_server() {
+    require_root!();
     let mut scenario = Scenario::new("sc9");
     let addr = scenario.cluster.servers[1].addr;
     let started = Instant::now();

@@ -1,6 +1,8 @@
-//! An upgrade in place, with no gap: socklb of the commit before the ABI
-//! was versioned (built from this repository's history) runs; then this
-//! socklb starts on the same pins while a client connects every 5 ms.
+//! An upgrade in place, with no gap: an older socklb (built from this
+//! repository's history) runs; then this socklb starts on the same pins
+//! while a client connects every 5 ms. From the commit before the ABI was
+//! versioned, and from the last one with per-socket records in socket
+//! storage: connections opened before keep getpeername and exact counts.
 
 use std::{
     net::SocketAddr,
@@ -13,28 +15,47 @@ use std::{
 use lb_common::names;
 use socklb::dataplane::{PinPaths, sys};
 use socklb_tests::{
-    Backend, Cgroup, ClientRun, ConnClient, Daemon, FIRST_LAYOUT_COMMIT, backend_field, free_port,
-    old_socklb_bin, record_figures, require_root, service_args, spread, unique_name,
+    Backend, Cgroup, ClientRun, ConnClient, Daemon, FIRST_LAYOUT_COMMIT, SOCKET_STORAGE_COMMIT,
+    backend_field, free_port, old_socklb_bin, old_socklb_bin_at, pace_bound, record_figures,
+    require_root, service_args, spread, time_until, unique_name,
 };
 
 /// The names of the maps the program behind a pinned link uses.
 fn maps_of_link(pin_path: &PathBuf, program: &str) -> Vec<String> {
     let fd = sys::open_pinned(&PinPaths::new(pin_path).link(program)).expect("pinned link");
     let link = sys::link_info(fd.as_fd()).expect("link info");
-    let program = sys::prog_fd_by_id(link.prog_id).expect("program");
-    let info = sys::prog_info(program.as_fd()).expect("program info");
-    info.map_ids
+    let program = socklb::dataplane::links::program_by_id(link.prog_id).expect("program");
+    let map_ids = program
+        .map_ids()
+        .ok()
+        .flatten()
+        .expect("the program's maps");
+    map_ids
         .iter()
         .filter_map(|id| aya::maps::MapInfo::from_id(*id).ok())
         .filter_map(|map| map.name_as_str().map(str::to_string))
         .collect()
 }
 
-#[test]
-fn an_install_of_the_first_layout_is_upgraded_in_place_with_no_failed_connect() {
-    require_root();
-    let old_socklb = old_socklb_bin();
-    let cgroup = Cgroup::new("upgrade");
+/// An old socklb serving, held connections and a client every 5 ms, then
+/// this socklb started on the same pins.
+struct Upgraded {
+    cgroup: Cgroup,
+    backends: Vec<Backend>,
+    addrs: Vec<SocketAddr>,
+    vip: SocketAddr,
+    pin_path: PathBuf,
+    daemon: Daemon,
+    /// Connections opened before the upgrade, until `finish` takes them.
+    held: Option<ConnClient>,
+    /// Connects made across the upgrade.
+    attempts: Vec<socklb_tests::Attempt>,
+}
+
+/// Runs `old_socklb`, then upgrades it in place, and waits until this
+/// socklb serves; the client has finished then, the held connections not.
+fn upgrade_in_place(label: &str, old_socklb: &std::path::Path) -> Upgraded {
+    let cgroup = Cgroup::new(label);
     let backends: Vec<Backend> = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
         .iter()
         .enumerate()
@@ -42,11 +63,11 @@ fn an_install_of_the_first_layout_is_upgraded_in_place_with_no_failed_connect() 
         .collect();
     let addrs: Vec<SocketAddr> = backends.iter().map(|backend| backend.addr).collect();
     let vip = SocketAddr::from(([127, 0, 0, 1], free_port()));
-    let pin_path = PathBuf::from("/sys/fs/bpf").join(unique_name("upgrade"));
+    let pin_path = PathBuf::from("/sys/fs/bpf").join(unique_name(label));
     let args = service_args(&cgroup.path, &[vip], &addrs, &[]);
 
     // The old daemon installs, and serves for a moment.
-    let mut old = Command::new(&old_socklb)
+    let mut old = Command::new(old_socklb)
         .arg("run")
         .args(&args)
         .arg("--pin-path")
@@ -63,80 +84,171 @@ fn an_install_of_the_first_layout_is_upgraded_in_place_with_no_failed_connect() 
         }
         std::thread::sleep(Duration::from_millis(25));
     }
-    assert!(
-        PinPaths::new(&pin_path).map(names::v0::SERVICES).exists(),
-        "the old layout is pinned"
-    );
     // Connections opened before the upgrade, held across it.
-    let mut held = ConnClient::hold_until_released(vip, &cgroup.path, 30, Duration::from_secs(60));
+    let accepted = || backends.iter().map(Backend::accepted).sum::<usize>();
+    let before = accepted();
+    let held = ConnClient::hold_until_released(vip, &cgroup.path, 30, Duration::from_secs(60));
     let mut run = ClientRun::new(vip, Some(&cgroup.path), 1500);
     run.interval_ms = 5;
     let client = run.spawn();
-    std::thread::sleep(Duration::from_millis(700));
+    // The old data plane has served the held connections and 100 of the
+    // client's connects.
+    time_until(
+        "connections through the old data plane",
+        pace_bound(130, Duration::from_millis(run.interval_ms)),
+        || accepted() >= before + 30 + 100,
+    );
 
     // The old daemon stops (its data plane stays); this one starts on the
     // same pins: no uninstall.
     // SAFETY: SIGTERM to the child we started.
     unsafe { libc::kill(old.id() as i32, libc::SIGTERM) };
     assert!(old.wait().expect("old daemon").success());
-    let mut daemon = Daemon::start_at("upgrade", &args, pin_path.clone());
+    let mut daemon = Daemon::start_at(label, &args, pin_path.clone());
     daemon.wait_health(&addrs, true, Duration::from_secs(10));
-    assert!(
-        daemon.log_shows(
-            "upgraded the pinned data plane in place",
-            Duration::from_secs(2)
-        ),
-        "{}",
-        daemon.log()
-    );
     let attempts = client.finish();
-    let counts = spread(&attempts);
-    let failed = counts.get("error").copied().unwrap_or(0);
-
     for program in names::PROGRAMS {
         let maps = maps_of_link(&pin_path, program);
         assert!(
-            maps.iter().any(|map| map == names::SOCKETS),
+            maps.iter().any(|map| map == names::SOCKET_TABLE),
             "{program}'s link runs the new program (its maps: {maps:?})"
         );
     }
-    let paths = PinPaths::new(&pin_path);
-    for name in names::v0::MAPS {
-        if name != names::LEGACY_REDIRECTS {
-            assert!(!paths.map(name).exists(), "the old map {name} is unpinned");
-        }
+    Upgraded {
+        cgroup,
+        backends,
+        addrs,
+        vip,
+        pin_path,
+        daemon,
+        held: Some(held),
+        attempts,
     }
-    held.release();
-    let held = held.finish();
+}
+
+/// Releases the held connections; how many showed the VIP in getpeername
+/// (asked after the upgrade), of how many. Then every count must fall to
+/// 0 once the servers close their side too.
+fn finish(upgraded: &mut Upgraded) -> (usize, usize) {
+    let mut client = upgraded.held.take().expect("finished once");
+    client.release();
+    let held = client.finish();
     let shown_vip = held
         .iter()
-        .filter(|line| line["peer"] == vip.to_string())
+        .filter(|line| line["peer"] == upgraded.vip.to_string())
         .count();
-    let status = daemon.status().expect("status");
-    assert_eq!(status["data_plane"]["attached"], true, "{status}");
     // The backends hold every connection, so a client socket that closed
     // waits in FIN_WAIT2 for the server's side. One whose last ACK was
     // handled while its process held the socket waits there for
     // tcp_fin_timeout (60 s), and is rightly counted live all that time.
     // The servers close their side, and every client socket ends.
-    drop(backends);
-    daemon.wait_for("live counts back to 0", Duration::from_secs(10), |status| {
-        addrs.iter().all(|addr| {
-            backend_field(status, &addr.to_string(), "live") == Some(serde_json::json!(0))
-        })
-    });
+    upgraded.backends.clear();
+    let addrs = upgraded.addrs.clone();
+    upgraded
+        .daemon
+        .wait_for("live counts back to 0", Duration::from_secs(10), |status| {
+            addrs.iter().all(|addr| {
+                backend_field(status, &addr.to_string(), "live") == Some(serde_json::json!(0))
+            }) && status["data_plane"]["socket_table"]["tracked"] == 0
+        });
+    (shown_vip, held.len())
+}
+
+#[test]
+fn an_install_of_the_first_layout_is_upgraded_in_place_with_no_failed_connect() {
+    require_root!();
+    let mut upgraded = upgrade_in_place("upgrade", &old_socklb_bin());
+    assert!(
+        upgraded.daemon.log_shows(
+            "upgraded the pinned data plane in place",
+            Duration::from_secs(2)
+        ),
+        "{}",
+        upgraded.daemon.log()
+    );
+    let counts = spread(&upgraded.attempts);
+    let failed = counts.get("error").copied().unwrap_or(0);
+    let paths = PinPaths::new(&upgraded.pin_path);
+    for name in names::v0::MAPS {
+        if name != names::LEGACY_REDIRECTS {
+            assert!(!paths.map(name).exists(), "the old map {name} is unpinned");
+        }
+    }
+    let status = upgraded.daemon.status().expect("status");
+    assert_eq!(status["data_plane"]["attached"], true, "{status}");
+    let (shown_vip, held) = finish(&mut upgraded);
     record_figures(&format!(
-        "upgrade: from {FIRST_LAYOUT_COMMIT} in place while a client connected every 5 ms: {failed} of {} connects failed; {shown_vip} of {} connections opened before still show the VIP in getpeername; every live count back to 0 after they closed",
-        attempts.len(),
-        held.len()
+        "upgrade: from {FIRST_LAYOUT_COMMIT} in place while a client connected every 5 ms: {failed} of {} connects failed; {shown_vip} of {held} connections opened before still show the VIP in getpeername; every live count back to 0 after they closed",
+        upgraded.attempts.len(),
     ));
     assert_eq!(
         failed, 0,
         "no connect failed across the upgrade: {counts:?}"
     );
+    assert_eq!(shown_vip, held, "getpeername still shows the VIP");
+}
+
+#[test]
+fn an_install_of_the_socket_storage_layout_is_upgraded_in_place_with_exact_counts() {
+    require_root!();
+    let old = old_socklb_bin_at(SOCKET_STORAGE_COMMIT);
+    let mut upgraded = upgrade_in_place("upgrade-storage", &old);
+    let paths = PinPaths::new(&upgraded.pin_path);
+    assert!(
+        paths.map(names::SOCKETS).exists(),
+        "the socket storage stays pinned while sockets redirected before hold records in it"
+    );
+    let addrs = upgraded.addrs.clone();
+    let live = |status: &serde_json::Value| -> i64 {
+        addrs
+            .iter()
+            .filter_map(|addr| backend_field(status, &addr.to_string(), "live")?.as_i64())
+            .sum()
+    };
+    // The held connections, and nothing else once the client's last
+    // connects have closed on both sides (a backend closes its side when
+    // the client does; until then a socket is rightly live).
+    upgraded.daemon.wait_for(
+        "the held connections stay counted, exactly",
+        Duration::from_secs(10),
+        |status| live(status) == 30,
+    );
+    let counts = spread(&upgraded.attempts);
+    let failed = counts.get("error").copied().unwrap_or(0);
+    let (shown_vip, held) = finish(&mut upgraded);
+    // A restart after the last of them closed drops the old storage.
+    let args = service_args(&upgraded.cgroup.path, &[upgraded.vip], &upgraded.addrs, &[]);
+    upgraded.daemon.restart_with(&args);
+    upgraded
+        .daemon
+        .wait_for("the daemon runs again", Duration::from_secs(10), |status| {
+            status["daemon"]["running"] == true
+        });
+    assert!(
+        !paths.map(names::SOCKETS).exists(),
+        "the socket storage is unpinned once no socket holds a record in it"
+    );
+    // `finish` stopped the servers: the connects are refused by the
+    // backends' addresses, which only a redirect reaches (nothing listens
+    // on the VIP). The kernel's redirect count says each was redirected.
+    let redirected = |daemon: &socklb_tests::Daemon| {
+        socklb_tests::total_redirects(&daemon.status().expect("status"))
+    };
+    let before = redirected(&upgraded.daemon);
+    let after = ClientRun::new(upgraded.vip, Some(&upgraded.cgroup.path), 20).run();
+    let redirected_after = redirected(&upgraded.daemon) - before;
+    record_figures(&format!(
+        "upgrade: from {SOCKET_STORAGE_COMMIT} (socket storage) in place while a client connected every 5 ms: {failed} of {} connects failed; {shown_vip} of {held} connections opened before show the VIP in getpeername and their 30 live counts fell to exactly 0 as they closed; a restart then unpinned the storage",
+        upgraded.attempts.len(),
+    ));
     assert_eq!(
-        shown_vip,
-        held.len(),
-        "getpeername still shows the VIP: {held:?}"
+        failed, 0,
+        "no connect failed across the upgrade: {counts:?}"
+    );
+    assert_eq!(shown_vip, held, "getpeername still shows the VIP");
+    assert_eq!(
+        redirected_after,
+        after.len() as u64,
+        "every connect redirected after the storage went: {after:?}"
     );
 }

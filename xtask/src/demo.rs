@@ -72,8 +72,18 @@ pub fn run(root: &Path) -> Result<()> {
     );
 
     daemon.signal(libc::SIGTERM);
-    let exit = daemon.wait_exit(Duration::from_secs(10));
-    println!("demo: socklb exited on SIGTERM: {exit:?}");
+    match daemon.wait_exit(Duration::from_secs(10)) {
+        Some(status) if status.success() => {
+            println!(
+                "demo: socklb stopped cleanly on SIGTERM (its data plane stays until cleanup)"
+            );
+        }
+        Some(status) => bail!("socklb stopped on SIGTERM with {status}:\n{}", daemon.log()),
+        None => bail!(
+            "socklb did not stop within 10 s of SIGTERM:\n{}",
+            daemon.log()
+        ),
+    }
     drop(daemon);
     drop(cgroup);
     drop(backends);

@@ -1,10 +1,16 @@
-//! Developer verbs: `cargo xtask build-ebpf | build | test | demo | bench`.
+//! Developer verbs: `cargo xtask build-ebpf | build | check | test |
+//! test-deploy | image | demo | bench | fuzz | soak`.
 //!
 //! Each verb finds or installs what it needs and says what it did.
 
 mod bench;
+mod check;
 mod demo;
+mod deploy;
 mod fuzz;
+mod image;
+mod readme;
+mod soak;
 mod toolchain;
 
 use std::{
@@ -30,9 +36,24 @@ enum Verb {
     BuildEbpf,
     /// build-ebpf, then the socklb binary and the test helpers.
     Build,
+    /// The fast tier, without root: rustfmt, clippy (warnings are errors)
+    /// and every unit test. Works before the eBPF toolchain exists.
+    Check,
     /// Install the test dependencies (Debian packages, and target/pyenv with
     /// the Python Kubernetes client) and run every test (needs root).
     Test {
+        /// Extra arguments for `cargo test`, after `--`.
+        #[arg(last = true)]
+        cargo_args: Vec<String>,
+    },
+    /// Build the container image without a registry (mmdebstrap and
+    /// podman, as root): `localhost/socklb:dev` in podman's storage and
+    /// target/image/socklb-dev.oci.tar; prints the image name last.
+    Image,
+    /// Run what ships the way it ships (needs root): the image under
+    /// podman with the DaemonSet's container spec, and the systemd unit
+    /// under systemd in a systemd-nspawn container.
+    TestDeploy {
         /// Extra arguments for `cargo test`, after `--`.
         #[arg(last = true)]
         cargo_args: Vec<String>,
@@ -42,7 +63,33 @@ enum Verb {
     Demo,
     /// Measure socklb against a direct connection, HAProxy and nginx on
     /// loopback, and write bench/results/REPORT.md with charts (needs root).
-    Bench,
+    Bench {
+        /// Instead, run the herd of 1,000 agents (a hung server, a rolling
+        /// restart, a recovery herd) and write bench/results/FLEET.md.
+        #[arg(long, conflicts_with = "kernel_cost")]
+        fleet: bool,
+        /// Only what socklb's programs cost per connection and the
+        /// new-connection rates against direct, printed; no report.
+        #[arg(long)]
+        kernel_cost: bool,
+        /// With --kernel-cost: measure this socklb binary (another
+        /// version) instead of this tree's.
+        #[arg(long, value_name = "PATH", requires = "kernel_cost")]
+        socklb: Option<PathBuf>,
+    },
+    /// Run socklb for N minutes under a seeded schedule of overlapping
+    /// faults, check every invariant, and write bench/results/SOAK.md
+    /// (needs root).
+    Soak {
+        #[arg(long, default_value_t = 30)]
+        minutes: u64,
+        /// Replays the schedule of an earlier run.
+        #[arg(long)]
+        seed: Option<u64>,
+        /// Where the report goes.
+        #[arg(long, default_value = "bench/results/SOAK.md")]
+        report: PathBuf,
+    },
     /// Fuzz the config parser (TOML and flags) with cargo-fuzz, each target
     /// for a bounded time.
     Fuzz {
@@ -56,13 +103,41 @@ fn main() -> Result<()> {
     match Cli::parse().command {
         Verb::BuildEbpf => toolchain::build_ebpf(),
         Verb::Build => build_all(),
+        Verb::Check => check::run(),
         Verb::Test { cargo_args } => test(&cargo_args),
+        Verb::Image => {
+            let image = image::build()?;
+            println!("{image}");
+            Ok(())
+        }
+        Verb::TestDeploy { cargo_args } => deploy::test(&cargo_args),
         Verb::Demo => {
             build_all()?;
             demo::run(&workspace_root())
         }
-        Verb::Bench => bench::run(&workspace_root()),
+        Verb::Bench {
+            kernel_cost: true,
+            socklb,
+            ..
+        } => bench::run_kernel_cost(&workspace_root(), socklb),
+        Verb::Bench { fleet: true, .. } => bench::fleet::run(&workspace_root()),
+        Verb::Bench { .. } => bench::run(&workspace_root()),
         Verb::Fuzz { seconds } => fuzz::run(seconds),
+        Verb::Soak {
+            minutes,
+            seed,
+            report,
+        } => {
+            if is_root() {
+                toolchain::install_debian_packages(TEST_PACKAGES)?;
+            }
+            build_all()?;
+            soak::run(&soak::Options {
+                minutes,
+                seed,
+                report: workspace_root().join(report),
+            })
+        }
     }
 }
 
@@ -86,14 +161,32 @@ pub fn run_checked(command: &mut Command) -> Result<()> {
     Ok(())
 }
 
-/// The stable cargo, without the variables the outer `cargo xtask` set.
+/// The stable cargo, without the variables that `cargo run` set for the
+/// xtask itself: some build scripts (ring's) watch them, so a cargo started
+/// here with them would rebuild half the tree that a plain `cargo` command
+/// built, and the other way round.
 pub fn cargo() -> Command {
     let mut command = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
     command.current_dir(workspace_root());
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        let set_by_cargo_run = name.starts_with("CARGO_PKG_")
+            || matches!(
+                name.as_ref(),
+                "CARGO_MANIFEST_DIR"
+                    | "CARGO_MANIFEST_PATH"
+                    | "CARGO_CRATE_NAME"
+                    | "CARGO_BIN_NAME"
+                    | "CARGO_PRIMARY_PACKAGE"
+            );
+        if set_by_cargo_run {
+            command.env_remove(name.as_ref());
+        }
+    }
     command
 }
 
-fn build_all() -> Result<()> {
+pub fn build_all() -> Result<()> {
     toolchain::build_ebpf()?;
     println!("xtask: building socklb and the test helpers");
     run_checked(cargo().args([
@@ -136,12 +229,7 @@ fn test(cargo_args: &[String]) -> Result<()> {
     let figures = workspace_root().join("target/scenario-figures.txt");
     let _ = std::fs::remove_file(&figures);
     println!("xtask: running every test (unit, then privileged integration tests)");
-    // One test at a time: the suites measure detection times on a 2-core
-    // machine, and parallel daemons and herds would measure each other.
-    let mut test_args: Vec<String> = cargo_args.to_vec();
-    if !test_args.iter().any(|arg| arg == "--") {
-        test_args.extend(["--".to_string(), "--test-threads=1".to_string()]);
-    }
+    let test_args = one_test_at_a_time(cargo_args);
     run_checked(
         cargo()
             .args(["test", "--workspace", "--exclude", "lb-ebpf"])
@@ -149,14 +237,40 @@ fn test(cargo_args: &[String]) -> Result<()> {
             .env("SOCKLB_BIN", target.join("socklb"))
             .env("LBCLIENT_BIN", target.join("lbclient"))
             .env("SOCKLB_PYTHON", &python)
-            .env("SOCKLB_FIGURES", &figures),
+            .env("SOCKLB_FIGURES", &figures)
+            // Every test runs for real: a missing privilege or prerequisite
+            // fails it instead of skipping it.
+            .env(socklb_tests::NO_SKIP_ENV, "1"),
     )?;
     if let Ok(text) = std::fs::read_to_string(&figures) {
         println!("xtask: scenario figures\n{text}");
     }
+    // The invariants under overlapping faults, on every change; a new seed
+    // each time (printed first), or SOCKLB_SOAK_SEED's to replay one.
+    soak::run(&soak::Options {
+        minutes: SOAK_MINUTES_IN_TEST,
+        seed: std::env::var("SOCKLB_SOAK_SEED")
+            .ok()
+            .and_then(|seed| seed.parse().ok()),
+        report: workspace_root().join("target/soak/SOAK.md"),
+    })?;
     // A short bounded pass; `cargo xtask fuzz --seconds N` runs longer.
     fuzz::run(FUZZ_SECONDS_IN_TEST)
 }
+
+/// `cargo test` arguments that run one test at a time, unless the caller
+/// gave its own after `--`: the suites measure detection times on a 2-core
+/// machine, and parallel daemons and herds would measure each other.
+pub fn one_test_at_a_time(cargo_args: &[String]) -> Vec<String> {
+    let mut test_args: Vec<String> = cargo_args.to_vec();
+    if !test_args.iter().any(|arg| arg == "--") {
+        test_args.extend(["--".to_string(), "--test-threads=1".to_string()]);
+    }
+    test_args
+}
+
+/// Minutes of the soak in `cargo xtask test` (`cargo xtask soak` runs 30).
+const SOAK_MINUTES_IN_TEST: u64 = 2;
 
 /// Seconds per fuzz target in `cargo xtask test`.
 const FUZZ_SECONDS_IN_TEST: u32 = 20;
@@ -167,7 +281,7 @@ const FUZZ_SECONDS_IN_TEST: u32 = 20;
 /// process that is gone: a run of another checkout on this machine keeps
 /// its own. A cgroup that still holds a process is left alone with a
 /// warning.
-fn sweep_leftovers() {
+pub fn sweep_leftovers() {
     if let Ok(entries) = std::fs::read_dir("/sys/fs/bpf") {
         for entry in entries.flatten() {
             if is_leftover(&entry.file_name().to_string_lossy()) {
@@ -221,11 +335,16 @@ fn sweep_leftovers() {
             .collect::<Vec<_>>()
     }) {
         let name = line.split_whitespace().next().unwrap_or_default();
-        // Test clusters name them socklb-<pid>x<n>-sw and socklb-<pid>x<n>-s<i>.
-        let cluster = name.starts_with("socklb-")
-            && name.contains('x')
-            && (name.ends_with("-sw") || name.contains("-s"));
-        if cluster && namespace_is_empty(name) {
+        // Test clusters name them socklb-<pid>x<n>-sw and socklb-<pid>x<n>-s<i>
+        // (the PID modulo 100,000). The switch never holds a process, so
+        // an empty namespace is a leftover only once its test is gone.
+        let owner = name
+            .strip_prefix("socklb-")
+            .and_then(|rest| rest.split_once('x'))
+            .and_then(|(pid, _)| pid.parse::<u32>().ok());
+        let cluster = owner.is_some() && (name.ends_with("-sw") || name.contains("-s"));
+        if cluster && owner.is_some_and(|pid| !cluster_owner_alive(pid)) && namespace_is_empty(name)
+        {
             println!("xtask: removing leftover namespace {name}");
             let _ = Command::new("ip").args(["netns", "del", name]).status();
         }
@@ -234,7 +353,7 @@ fn sweep_leftovers() {
 
 /// Whether a name made by the tests' `unique_name`
 /// (`socklb-test-<label>-<pid>-<n>`) belongs to a process that is gone.
-fn is_leftover(name: &str) -> bool {
+pub fn is_leftover(name: &str) -> bool {
     if !name.starts_with("socklb-test-") {
         return false;
     }
@@ -246,6 +365,20 @@ fn is_leftover(name: &str) -> bool {
     }
 }
 
+/// Whether a process whose PID modulo 100,000 is `tag` still runs (a test
+/// cluster's tag).
+fn cluster_owner_alive(tag: u32) -> bool {
+    std::fs::read_dir("/proc").is_ok_and(|entries| {
+        entries.flatten().any(|entry| {
+            entry
+                .file_name()
+                .to_str()
+                .and_then(|name| name.parse::<u32>().ok())
+                .is_some_and(|pid| pid % 100_000 == tag)
+        })
+    })
+}
+
 /// Whether no process runs in a named network namespace.
 fn namespace_is_empty(name: &str) -> bool {
     Command::new("ip")
@@ -255,7 +388,7 @@ fn namespace_is_empty(name: &str) -> bool {
 }
 
 /// Removes a cgroup directory and its children, deepest first.
-fn remove_cgroup_tree(path: &Path) -> std::io::Result<()> {
+pub fn remove_cgroup_tree(path: &Path) -> std::io::Result<()> {
     for entry in std::fs::read_dir(path)?.flatten() {
         if entry.file_type().is_ok_and(|kind| kind.is_dir()) {
             remove_cgroup_tree(&entry.path())?;

@@ -16,13 +16,52 @@ const NIGHTLY: &str = "nightly";
 /// bpf-linker), then builds it: lb-userspace's build script does that with
 /// aya-build, so this is a `cargo build` of lb-userspace.
 pub fn build_ebpf() -> Result<()> {
-    ensure_nightly()?;
-    ensure_rust_src()?;
-    ensure_bpf_linker()?;
+    ensure_ebpf_toolchain()?;
     println!("xtask: building the eBPF object (lb-userspace's build script, aya-build)");
     run_checked(crate::cargo().args(["build", "--package", "lb-userspace"]))?;
     println!("xtask: eBPF object built and embedded in socklb");
     Ok(())
+}
+
+/// What the eBPF build lacks, without installing anything: `None` when
+/// nightly, its rust-src and bpf-linker are all there.
+pub fn ebpf_toolchain_missing() -> Option<&'static str> {
+    if !has_nightly() {
+        return Some("no nightly toolchain");
+    }
+    if !has_rust_src() {
+        return Some("no rust-src for nightly");
+    }
+    (!has_bpf_linker()).then_some("no bpf-linker")
+}
+
+/// The build runs `rustup run nightly`, so the undated channel must be
+/// there; a dated nightly alone does not do.
+fn has_nightly() -> bool {
+    output_of(Command::new("rustup").args(["run", NIGHTLY, "rustc", "--version"])).is_some()
+}
+
+fn has_rust_src() -> bool {
+    output_of(Command::new("rustup").args([
+        "component",
+        "list",
+        "--installed",
+        "--toolchain",
+        NIGHTLY,
+    ]))
+    .is_some_and(|installed| installed.lines().any(|line| line.starts_with("rust-src")))
+}
+
+fn has_bpf_linker() -> bool {
+    output_of(Command::new("bpf-linker").arg("--version")).is_some()
+}
+
+/// Installs what building the eBPF object needs, if missing: nightly,
+/// rust-src and bpf-linker.
+pub fn ensure_ebpf_toolchain() -> Result<()> {
+    ensure_nightly()?;
+    ensure_rust_src()?;
+    ensure_bpf_linker()
 }
 
 fn output_of(command: &mut Command) -> Option<String> {
@@ -37,11 +76,7 @@ pub fn ensure_nightly() -> Result<()> {
     let toolchains = output_of(Command::new("rustup").args(["toolchain", "list"])).context(
         "rustup is needed to build the eBPF crate; install it from your distribution or rustup.rs",
     )?;
-    // The build runs `rustup run nightly`, so the undated channel must be
-    // there; a dated nightly alone does not do.
-    if !toolchains.is_empty()
-        && output_of(Command::new("rustup").args(["run", NIGHTLY, "rustc", "--version"])).is_some()
-    {
+    if !toolchains.is_empty() && has_nightly() {
         return Ok(());
     }
     println!("xtask: installing the nightly toolchain (the eBPF crate needs -Z build-std)");
@@ -50,15 +85,7 @@ pub fn ensure_nightly() -> Result<()> {
 }
 
 fn ensure_rust_src() -> Result<()> {
-    let installed = output_of(Command::new("rustup").args([
-        "component",
-        "list",
-        "--installed",
-        "--toolchain",
-        NIGHTLY,
-    ]))
-    .unwrap_or_default();
-    if installed.lines().any(|line| line.starts_with("rust-src")) {
+    if has_rust_src() {
         return Ok(());
     }
     println!("xtask: installing rust-src for nightly (needed by -Z build-std=core)");
@@ -114,7 +141,7 @@ fn nightly_llvm() -> Result<(PathBuf, String)> {
 }
 
 fn ensure_bpf_linker() -> Result<()> {
-    if output_of(Command::new("bpf-linker").arg("--version")).is_some() {
+    if has_bpf_linker() {
         return Ok(());
     }
     let (library, major) = nightly_llvm()?;

@@ -40,6 +40,8 @@ struct Flags {
     rebalance_after: Option<String>,
     rebalance_rate: Option<i64>,
     accelerate: Option<String>,
+    when_daemon_gone: Option<String>,
+    daemon_gone_after: Option<String>,
 }
 
 const PATHS: [&str; 4] = ["/nonexistent/socklb.pem", "/dev/zero", "/tmp", "/proc/self/status"];
@@ -85,6 +87,8 @@ fuzz_target!(|flags: Flags| {
         rebalance_after: flags.rebalance_after,
         rebalance_rate: flags.rebalance_rate,
         accelerate: flags.accelerate,
+        when_daemon_gone: flags.when_daemon_gone,
+        daemon_gone_after: flags.daemon_gone_after,
     };
     if let Ok(config) = from_flags(raw) {
         let _ = config.to_string();

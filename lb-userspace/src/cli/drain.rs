@@ -3,13 +3,13 @@ use std::net::SocketAddr;
 use anyhow::{Context, bail};
 use socklb::{
     config::{ConfigError, FieldError},
+    convert::{endpoint, socket_addr},
     daemon::control::{self, Request},
     dataplane::{
         KernelError, MapStore, PinPaths, install,
         lock::{self, RunPaths},
         pins,
     },
-    planner::{endpoint, socket_addr},
     privileges,
 };
 

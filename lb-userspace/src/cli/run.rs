@@ -1,6 +1,7 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
+use clap::builder::TypedValueParser as _;
 use socklb::{
     config::{self, RawBackend, RawHealth, RawNames, RawService, RawStatuses},
     daemon::{self, RunOptions},
@@ -22,6 +23,7 @@ pub struct RunArgs {
         "k3s_state", "endpointslices", "endpointslice_port", "kubeconfig",
         "endpointslice_managers", "max_discovered_backends", "slow_start",
         "rebalance", "rebalance_tolerance", "rebalance_after", "rebalance_rate", "accelerate",
+        "when_daemon_gone", "daemon_gone_after", "socket_table_size",
     ])]
     config: Option<PathBuf>,
     /// VIP that clients connect to (repeatable; IPv4 and IPv6 may share a service).
@@ -65,13 +67,31 @@ pub struct RunArgs {
     /// [default: off].
     #[arg(long, value_name = "sockmap|none")]
     accelerate: Option<String>,
-    /// Close connections on the most loaded backends (idlest first) while
-    /// the live counts stay out of balance, so that clients reconnect to
-    /// the others [default: off].
+    /// What the VIPs do once the daemon is gone (its heartbeat older than
+    /// --daemon-gone-after): keep redirecting from the last tables,
+    /// hand-back (connects reach whatever listens on the VIP, such as the
+    /// balancer socklb sits in front of), or auto: hand-back when another
+    /// socket listens on a VIP at start and at each reload, else keep
+    /// [default: auto].
+    #[arg(long, value_name = "auto|keep|hand-back")]
+    when_daemon_gone: Option<String>,
+    /// How long without a heartbeat before the daemon counts as gone
+    /// [default: 10s].
+    #[arg(long, value_name = "DURATION")]
+    daemon_gone_after: Option<String>,
+    /// Sockets the kernel's socket table holds (its memory is taken whole
+    /// at install; a connect past it is redirected untracked). Applied
+    /// when the table is made [default: 65536].
+    #[arg(long, value_name = "N")]
+    socket_table_size: Option<i64>,
+    /// Close connections on the backends above their fair share while the
+    /// live counts stay out of balance (those of the owners above their
+    /// own share, idlest first), so that clients reconnect to the others
+    /// [default: off].
     #[arg(long)]
     rebalance: bool,
-    /// Out of balance when max/mean of live connections > 1 + this
-    /// [default: 0.2].
+    /// Out of balance when max/mean of live connections > 1 + this, or
+    /// min/mean < 1 − this [default: 0.2].
     #[arg(long, value_name = "RATIO")]
     rebalance_tolerance: Option<f64>,
     /// How long the imbalance must last before acting [default: 10s].
@@ -176,7 +196,12 @@ pub struct RunArgs {
     cleanup_on_exit: bool,
     /// Log level of the kernel programs, forwarded to this log. Applied at
     /// each start; `off` keeps logging out of connect().
-    #[arg(long, value_enum, default_value = "off")]
+    #[arg(
+        long,
+        default_value = "off",
+        value_parser = clap::builder::PossibleValuesParser::new(BpfLogLevel::ALL.map(|(name, _)| name))
+            .try_map(|name| name.parse::<BpfLogLevel>())
+    )]
     bpf_log: BpfLogLevel,
     /// Install even if another socklb serves one of these VIPs on this
     /// cgroup, an ancestor or a descendant (whichever attached first then
@@ -188,43 +213,7 @@ pub struct RunArgs {
 pub fn run(args: RunArgs) -> super::Outcome {
     let config = match &args.config {
         Some(path) => config::load_file(path)?,
-        None => config::from_flags(RawService {
-            name: Some(args.name.clone()),
-            vips: args.vip.clone(),
-            backends: args.backend.iter().cloned().map(RawBackend::Spec).collect(),
-            policy: args.policy.clone(),
-            when_none_healthy: args.when_none_healthy.clone(),
-            all_netns: args.all_netns,
-            close_on_failure: args.close_on_failure,
-            health: RawHealth {
-                kind: args.health.clone(),
-                path: None,
-                statuses: args.health_status.clone().map(RawStatuses::Text),
-                host: args.health_host.clone(),
-                ca: args.health_ca.clone(),
-                cert: args.health_cert.clone(),
-                key: args.health_key.clone(),
-                server_name: args.health_server_name.clone(),
-                interval: args.health_interval.clone(),
-                down_interval: args.health_down_interval.clone(),
-                timeout: args.health_timeout.clone(),
-                rise: args.rise,
-                fall: args.fall,
-                connect_failures: args.connect_failures,
-            },
-            k3s_state: args.k3s_state.clone(),
-            endpointslices: args.endpointslices.clone(),
-            endpointslice_port: args.endpointslice_port.clone(),
-            kubeconfig: args.kubeconfig.clone(),
-            endpointslice_managers: args.endpointslice_managers.clone().map(RawNames::Text),
-            max_discovered_backends: args.max_discovered_backends,
-            slow_start: args.slow_start.clone(),
-            rebalance: args.rebalance.then_some(true),
-            rebalance_tolerance: args.rebalance_tolerance,
-            rebalance_after: args.rebalance_after.clone(),
-            rebalance_rate: args.rebalance_rate,
-            accelerate: args.accelerate.clone(),
-        })?,
+        None => config::validate_with(vec![flag_service(&args)], "flags", args.socket_table_size)?,
     };
     // After the config: a bad file is reported the same with or without
     // privileges, and nothing is touched either way.
@@ -249,4 +238,47 @@ pub fn run(args: RunArgs) -> super::Outcome {
         .context("starting the async runtime")?;
     runtime.block_on(daemon::run(options))?;
     Ok(0)
+}
+
+/// The service the flags describe, as written.
+fn flag_service(args: &RunArgs) -> RawService {
+    RawService {
+        name: Some(args.name.clone()),
+        vips: args.vip.clone(),
+        backends: args.backend.iter().cloned().map(RawBackend::Spec).collect(),
+        policy: args.policy.clone(),
+        when_none_healthy: args.when_none_healthy.clone(),
+        all_netns: args.all_netns,
+        close_on_failure: args.close_on_failure,
+        health: RawHealth {
+            kind: args.health.clone(),
+            path: None,
+            statuses: args.health_status.clone().map(RawStatuses::Text),
+            host: args.health_host.clone(),
+            ca: args.health_ca.clone(),
+            cert: args.health_cert.clone(),
+            key: args.health_key.clone(),
+            server_name: args.health_server_name.clone(),
+            interval: args.health_interval.clone(),
+            down_interval: args.health_down_interval.clone(),
+            timeout: args.health_timeout.clone(),
+            rise: args.rise,
+            fall: args.fall,
+            connect_failures: args.connect_failures,
+        },
+        k3s_state: args.k3s_state.clone(),
+        endpointslices: args.endpointslices.clone(),
+        endpointslice_port: args.endpointslice_port.clone(),
+        kubeconfig: args.kubeconfig.clone(),
+        endpointslice_managers: args.endpointslice_managers.clone().map(RawNames::Text),
+        max_discovered_backends: args.max_discovered_backends,
+        slow_start: args.slow_start.clone(),
+        rebalance: args.rebalance.then_some(true),
+        rebalance_tolerance: args.rebalance_tolerance,
+        rebalance_after: args.rebalance_after.clone(),
+        rebalance_rate: args.rebalance_rate,
+        accelerate: args.accelerate.clone(),
+        when_daemon_gone: args.when_daemon_gone.clone(),
+        daemon_gone_after: args.daemon_gone_after.clone(),
+    }
 }

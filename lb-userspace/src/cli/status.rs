@@ -10,11 +10,12 @@ use socklb::{
 /// kernel. Works while the daemon is not running.
 ///
 /// With --check, print nothing but failures and exit with: 0 when the
-/// daemon runs, the data plane is attached and every service has a healthy
-/// backend; else, gravest first, 4 when the data plane is not attached, 3
-/// when the daemon is not running, 5 when a service has no healthy
-/// backend; 1 when the status cannot be read (nothing installed, no
-/// privileges).
+/// daemon runs, the data plane is attached, no service is handed back and
+/// every service has a healthy backend; else, gravest first, 4 when the
+/// data plane is not attached, 3 when the daemon is not running, 6 when
+/// the kernel hands a service's VIPs back (the daemon gone), 5 when a
+/// service has no healthy backend; 1 when the status cannot be read
+/// (nothing installed, no privileges).
 ///
 /// Example: socklb status --json
 #[derive(Debug, clap::Args)]

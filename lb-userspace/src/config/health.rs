@@ -58,16 +58,26 @@ pub(super) fn validate_health(
     }
 }
 
-/// Resolves the probe kind, preset and overrides into a [`ProbeSpec`], and
-/// reads the certificate files so that a bad one is a config error.
-fn validate_probe(
-    raw: &RawHealth,
-    name: &dyn Fn(&str, &str) -> String,
+/// What the probe kind (`tcp`, `https:/path`, a preset…) asks for.
+struct Kind<'a> {
+    word: &'a str,
+    /// The path given with the kind (`http:/healthz`).
+    path: Option<String>,
+    http: bool,
+    tls: bool,
+    /// A preset's path.
+    preset_path: Option<&'static str>,
+    needs_client_cert: bool,
+}
+
+/// Parses the probe kind; `None` (said) when it is unknown or takes no
+/// path.
+fn parse_kind<'a>(
+    kind_text: &'a str,
+    kind_field: &str,
     errors: &mut Vec<FieldError>,
-) -> Option<ProbeSpec> {
-    let kind_field = name("kind", "--health");
-    let kind_text = raw.kind.as_deref().unwrap_or("tcp");
-    let (word, kind_path) = match kind_text.split_once(':') {
+) -> Option<Kind<'a>> {
+    let (word, path) = match kind_text.split_once(':') {
         Some((word, path)) => (word, Some(path.to_string())),
         None => (kind_text, None),
     };
@@ -81,7 +91,7 @@ fn validate_probe(
             Some((name, path, _)) => (true, true, Some(*path), *name == "etcd"),
             None => {
                 errors.push(field_error(
-                    &kind_field,
+                    kind_field,
                     format!(
                         "unknown probe {kind_text:?}; expected tcp, tls, http[:PATH], https[:PATH], apiserver, supervisor or etcd"
                     ),
@@ -90,60 +100,91 @@ fn validate_probe(
             }
         },
     };
-    if kind_path.is_some() && !http {
+    if path.is_some() && !http {
         errors.push(field_error(
-            &kind_field,
+            kind_field,
             format!("{word} probes take no path"),
         ));
         return None;
     }
-    let before = errors.len();
-    if !http {
-        for (value, toml, flag) in [
-            (raw.path.is_some(), "path", "--health"),
-            (raw.statuses.is_some(), "statuses", "--health-status"),
-            (raw.host.is_some(), "host", "--health-host"),
-        ] {
-            if value {
+    Some(Kind {
+        word,
+        path,
+        http,
+        tls,
+        preset_path,
+        needs_client_cert,
+    })
+}
+
+/// A setting: whether it was given, its TOML name and its flag.
+type Setting<'a> = (bool, &'a str, &'a str);
+
+/// The settings that only some kinds take, given to another kind.
+fn check_inapplicable(
+    raw: &RawHealth,
+    kind: &Kind<'_>,
+    name: &dyn Fn(&str, &str) -> String,
+    errors: &mut Vec<FieldError>,
+) {
+    let http_only = [
+        (raw.path.is_some(), "path", "--health"),
+        (raw.statuses.is_some(), "statuses", "--health-status"),
+        (raw.host.is_some(), "host", "--health-host"),
+    ];
+    let tls_only = [
+        (raw.ca.is_some(), "ca", "--health-ca"),
+        (raw.cert.is_some(), "cert", "--health-cert"),
+        (raw.key.is_some(), "key", "--health-key"),
+        (
+            raw.server_name.is_some(),
+            "server-name",
+            "--health-server-name",
+        ),
+    ];
+    let groups: [(bool, &[Setting], &str); 2] = [
+        (kind.http, &http_only, "http and https"),
+        (kind.tls, &tls_only, "tls and https"),
+    ];
+    for (applies, settings, kinds) in groups {
+        if applies {
+            continue;
+        }
+        for (given, toml, flag) in settings {
+            if *given {
                 errors.push(field_error(
                     name(toml, flag),
-                    format!("only applies to http and https probes, not {word}"),
+                    format!("only applies to {kinds} probes, not {}", kind.word),
                 ));
             }
         }
     }
-    if !tls {
-        for (value, toml, flag) in [
-            (raw.ca.is_some(), "ca", "--health-ca"),
-            (raw.cert.is_some(), "cert", "--health-cert"),
-            (raw.key.is_some(), "key", "--health-key"),
-            (
-                raw.server_name.is_some(),
-                "server-name",
-                "--health-server-name",
-            ),
-        ] {
-            if value {
-                errors.push(field_error(
-                    name(toml, flag),
-                    format!("only applies to tls and https probes, not {word}"),
-                ));
-            }
-        }
-    }
-    if needs_client_cert && (raw.cert.is_none() || raw.key.is_none()) {
+    if kind.needs_client_cert && (raw.cert.is_none() || raw.key.is_none()) {
         errors.push(field_error(
             name("cert", "--health-cert"),
             "the etcd probe needs a client certificate and key (cert and key)",
         ));
     }
+}
+
+/// Resolves the probe kind, preset and overrides into a [`ProbeSpec`], and
+/// reads the certificate files so that a bad one is a config error.
+fn validate_probe(
+    raw: &RawHealth,
+    name: &dyn Fn(&str, &str) -> String,
+    errors: &mut Vec<FieldError>,
+) -> Option<ProbeSpec> {
+    let kind_field = name("kind", "--health");
+    let kind = parse_kind(raw.kind.as_deref().unwrap_or("tcp"), &kind_field, errors)?;
+    let before = errors.len();
+    check_inapplicable(raw, &kind, name, errors);
     let path = raw
         .path
         .clone()
-        .or(kind_path)
-        .or(preset_path.map(str::to_string))
+        .or(kind.path.clone())
+        .or(kind.preset_path.map(str::to_string))
         .unwrap_or_else(|| "/".into());
-    if http && !path.starts_with('/') {
+    if kind.http && !path.starts_with('/') {
         errors.push(field_error(
             name("path", "--health"),
             format!("{path:?} must start with /"),
@@ -157,13 +198,13 @@ fn validate_probe(
     if errors.len() != before {
         return None;
     }
-    let tls_options = tls.then(|| TlsOptions {
+    let tls_options = kind.tls.then(|| TlsOptions {
         ca: raw.ca.clone(),
         cert: raw.cert.clone(),
         key: raw.key.clone(),
         server_name: raw.server_name.clone(),
     });
-    let spec = match (http, tls_options) {
+    let spec = match (kind.http, tls_options) {
         (false, None) => ProbeSpec::Tcp,
         (false, Some(options)) => ProbeSpec::Tls(options),
         (true, tls) => ProbeSpec::Http {

@@ -18,12 +18,12 @@ pub use discovery::{
 };
 use raw::RawFile;
 pub use raw::{RawBackend, RawBackendTable, RawHealth, RawNames, RawService, RawStatuses};
-pub use service::{slots_needed, table_count};
+pub use service::{slots_needed, table_count, weight_divisor};
 pub use values::parse_duration;
 
 use service::{check_across_services, validate_service};
 
-use crate::health::probe::ProbeSpec;
+pub use crate::health::HealthSettings;
 
 /// Highest weight a backend may have. Weights expand into table slots, so a
 /// ceiling keeps the ratio between two backends representable.
@@ -93,6 +93,48 @@ impl NoneHealthyPolicy {
     }
 }
 
+/// What a service's VIPs do once the daemon is gone (its heartbeat older
+/// than `daemon-gone-after`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum WhenDaemonGone {
+    /// `hand-back` when, at start and at each reload, a socket other than
+    /// socklb's listens on a VIP (the agent's own balancer, as k3s's on
+    /// 127.0.0.1:6444), `keep` otherwise (k3s with
+    /// `--disable-apiserver-lb`): see `hand_back::HandBackChoice`.
+    #[default]
+    Auto,
+    /// Go on redirecting from the last tables written.
+    Keep,
+    /// Leave connects untouched, so that they reach whatever listens on
+    /// the VIP (the balancer socklb sits in front of).
+    HandBack,
+}
+
+impl WhenDaemonGone {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Auto => "auto",
+            Self::Keep => "keep",
+            Self::HandBack => "hand-back",
+        }
+    }
+
+    pub fn parse(text: &str) -> Option<Self> {
+        match text {
+            "auto" => Some(Self::Auto),
+            "keep" => Some(Self::Keep),
+            "hand-back" => Some(Self::HandBack),
+            _ => None,
+        }
+    }
+}
+
+/// `daemon-gone-after` unless set.
+pub const DEFAULT_DAEMON_GONE_AFTER: Duration = Duration::from_secs(10);
+/// The shortest `daemon-gone-after`: the heartbeat beats twice a second,
+/// and a daemon busy for a moment must not hand its VIPs back.
+pub const MIN_DAEMON_GONE_AFTER: Duration = Duration::from_secs(2);
+
 /// How a backend is chosen among the healthy ones.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SelectionPolicy {
@@ -135,39 +177,6 @@ pub enum BackendRole {
     Preferred,
     /// Used only when no other backend is healthy (k3s's default server).
     Standby,
-}
-
-/// Active health-check settings of one service.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HealthSettings {
-    /// What a probe does.
-    pub probe: ProbeSpec,
-    pub interval: Duration,
-    /// Interval while a backend is down (HAProxy's `downinter`).
-    pub down_interval: Duration,
-    pub timeout: Duration,
-    /// Consecutive successes that make a down backend healthy.
-    pub rise: u32,
-    /// Consecutive failures that make an up backend unhealthy.
-    pub fall: u32,
-    /// Failed connects in a row, seen by the kernel with evidence from the
-    /// server side, that start a confirming probe at once (which decides);
-    /// 0 turns the passive signal off.
-    pub connect_failures: u32,
-}
-
-impl Default for HealthSettings {
-    fn default() -> Self {
-        Self {
-            probe: ProbeSpec::Tcp,
-            interval: Duration::from_secs(1),
-            down_interval: Duration::from_secs(1),
-            timeout: Duration::from_secs(1),
-            rise: 2,
-            fall: 3,
-            connect_failures: 1,
-        }
-    }
 }
 
 /// The built-in probe presets: (name, path, what it is for).
@@ -214,13 +223,17 @@ pub struct Service {
     pub rebalance: Option<Rebalance>,
     /// sockmap acceleration of connections to backends on this host.
     pub accelerate: bool,
+    /// What the VIPs do once the daemon is gone.
+    pub when_daemon_gone: WhenDaemonGone,
+    /// How old the heartbeat must be for the daemon to count as gone.
+    pub daemon_gone_after: Duration,
 }
 
 /// When and how fast a service's connections are rebalanced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Rebalance {
     /// Out of balance when max/mean of the live counts exceeds 1 + this,
-    /// in thousandths (200: 0.2).
+    /// or min/mean falls below 1 − this, in thousandths (200: 0.2).
     pub tolerance_permille: u32,
     /// How long the imbalance must last before connections are closed.
     pub after: Duration,
@@ -242,6 +255,10 @@ impl Default for Rebalance {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
     pub services: Vec<Service>,
+    /// Sockets the kernel's socket table holds (`socket-table-size`): its
+    /// memory is taken whole when it is made, and connects past it are
+    /// redirected untracked. Applied when the table is made (install).
+    pub socket_table_size: u32,
 }
 
 /// Reads and validates a config file.
@@ -265,7 +282,7 @@ pub fn parse_toml(text: &str) -> Result<Config, ConfigError> {
         path: "config".into(),
         message: error.to_string().trim_end().to_string(),
     })?;
-    validate(raw.service, "service")
+    validate_with(raw.service, "service", raw.socket_table_size)
 }
 
 /// Validates services assembled from flags (field names are the flags').
@@ -275,7 +292,22 @@ pub fn from_flags(service: RawService) -> Result<Config, ConfigError> {
 
 /// Checks every field of every service and returns all problems together.
 pub fn validate(raw: Vec<RawService>, root: &str) -> Result<Config, ConfigError> {
+    validate_with(raw, root, None)
+}
+
+/// `validate`, with the file's `socket-table-size` (or the flag's).
+pub fn validate_with(
+    raw: Vec<RawService>,
+    root: &str,
+    socket_table_size: Option<i64>,
+) -> Result<Config, ConfigError> {
     let mut errors = Vec::new();
+    let field = if root == "flags" {
+        "--socket-table-size"
+    } else {
+        "socket-table-size"
+    };
+    let socket_table_size = check_socket_table_size(socket_table_size, field, &mut errors);
     if raw.is_empty() {
         errors.push(field_error(root, "no service is configured"));
     }
@@ -295,9 +327,35 @@ pub fn validate(raw: Vec<RawService>, root: &str) -> Result<Config, ConfigError>
     if errors.is_empty() {
         Ok(Config {
             services: services.into_iter().map(|(_, service)| service).collect(),
+            socket_table_size,
         })
     } else {
         Err(ConfigError::Invalid(errors))
+    }
+}
+
+/// `socket-table-size`: the default when unset, an error naming the field
+/// when out of range.
+pub fn check_socket_table_size(
+    value: Option<i64>,
+    field: &str,
+    errors: &mut Vec<FieldError>,
+) -> u32 {
+    use lb_common::{DEFAULT_SOCKET_TABLE_SIZE, MAX_SOCKET_TABLE_SIZE, MIN_SOCKET_TABLE_SIZE};
+    let Some(value) = value else {
+        return DEFAULT_SOCKET_TABLE_SIZE;
+    };
+    match u32::try_from(value) {
+        Ok(size) if (MIN_SOCKET_TABLE_SIZE..=MAX_SOCKET_TABLE_SIZE).contains(&size) => size,
+        _ => {
+            errors.push(field_error(
+                field,
+                format!(
+                    "{value} is out of range {MIN_SOCKET_TABLE_SIZE}..={MAX_SOCKET_TABLE_SIZE} (sockets the kernel's table holds)"
+                ),
+            ));
+            DEFAULT_SOCKET_TABLE_SIZE
+        }
     }
 }
 
@@ -328,59 +386,10 @@ pub(crate) fn field_error(field: impl Into<String>, problem: impl Into<String>) 
 impl fmt::Display for Config {
     /// What `check-config` prints: the configuration as understood.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "socket table: {} sockets", self.socket_table_size)?;
         for service in &self.services {
-            writeln!(f, "service {}", service.name)?;
-            let vips: Vec<String> = service.vips.iter().map(ToString::to_string).collect();
-            writeln!(f, "  vips: {}", vips.join(", "))?;
-            writeln!(
-                f,
-                "  policy: {}, when none is healthy: {}{}",
-                service.policy.as_str(),
-                service.when_none_healthy.as_str(),
-                if service.all_netns {
-                    ", all network namespaces"
-                } else {
-                    ", host network namespace only"
-                }
-            )?;
-            writeln!(f, "  close-on-failure: {}", service.close_on_failure)?;
-            if let Some(slow_start) = service.slow_start {
-                writeln!(f, "  slow-start: {slow_start:?}")?;
-            }
-            if service.accelerate {
-                writeln!(f, "  accelerate: sockmap (backends on this host)")?;
-            }
-            if let Some(rebalance) = service.rebalance {
-                writeln!(
-                    f,
-                    "  rebalance: when max/mean > {:.3} for {:?}, at most {}/s",
-                    1.0 + f64::from(rebalance.tolerance_permille) / 1000.0,
-                    rebalance.after,
-                    rebalance.rate
-                )?;
-            }
-            let health = &service.health;
-            writeln!(
-                f,
-                "  health: {} every {:?} (±20%; {:?} while down), timeout {:?}, rise {}, fall {}",
-                health.probe.describe(),
-                health.interval,
-                health.down_interval,
-                health.timeout,
-                health.rise,
-                health.fall
-            )?;
-            writeln!(
-                f,
-                "  passive: {}",
-                match health.connect_failures {
-                    0 => "off".to_string(),
-                    count => format!(
-                        "a confirming probe after {count} failed connect{} in a row (reset, or SYN unanswered)",
-                        if count == 1 { "" } else { "s" }
-                    ),
-                }
-            )?;
+            write_service(f, service)?;
+            write_health(f, &service.health)?;
             write_discovery(f, &service.discovery)?;
             for backend in &service.backends {
                 let role = match backend.role {
@@ -399,6 +408,94 @@ impl fmt::Display for Config {
         }
         Ok(())
     }
+}
+
+/// What breaks with `accelerate = "sockmap"` on the kernels tested
+/// (`tests/tests/accel.rs`; docs/acceleration.md), as `check-config`
+/// lists it under an accelerating service: why the default is off.
+pub const SOCKMAP_KNOWN_FAILURES: &[&str] = &[
+    "a plain blocking read can return EAGAIN (tcp_bpf_recvmsg), e.g. a client \
+     that half-closes, then reads the answer to EOF",
+    "SO_RCVLOWAT is not honoured",
+    "a reader that splice(2)s from the socket sees none of the redirected data",
+    "a sender that outruns its reader for long loses bytes under TCP memory pressure",
+];
+
+/// A service's VIPs and policies, as `check-config` prints them.
+fn write_service(f: &mut fmt::Formatter<'_>, service: &Service) -> fmt::Result {
+    writeln!(f, "service {}", service.name)?;
+    let vips: Vec<String> = service.vips.iter().map(ToString::to_string).collect();
+    writeln!(f, "  vips: {}", vips.join(", "))?;
+    writeln!(
+        f,
+        "  policy: {}, when none is healthy: {}{}",
+        service.policy.as_str(),
+        service.when_none_healthy.as_str(),
+        if service.all_netns {
+            ", all network namespaces"
+        } else {
+            ", host network namespace only"
+        }
+    )?;
+    writeln!(f, "  close-on-failure: {}", service.close_on_failure)?;
+    if let Some(slow_start) = service.slow_start {
+        writeln!(f, "  slow-start: {slow_start:?}")?;
+    }
+    if service.accelerate {
+        writeln!(f, "  accelerate: sockmap (backends on this host)")?;
+        for failure in SOCKMAP_KNOWN_FAILURES {
+            writeln!(f, "    known failure: {failure}")?;
+        }
+    }
+    match service.when_daemon_gone {
+        WhenDaemonGone::Keep => writeln!(f, "  when the daemon is gone: keep redirecting")?,
+        WhenDaemonGone::HandBack => writeln!(
+            f,
+            "  when the daemon is gone: hand the VIPs back after {:?} without a heartbeat",
+            service.daemon_gone_after
+        )?,
+        WhenDaemonGone::Auto => writeln!(
+            f,
+            "  when the daemon is gone: auto (hand the VIPs back after {:?} without a heartbeat if another socket listens on one, else keep redirecting)",
+            service.daemon_gone_after
+        )?,
+    }
+    if let Some(rebalance) = service.rebalance {
+        let tolerance = f64::from(rebalance.tolerance_permille) / 1000.0;
+        writeln!(
+            f,
+            "  rebalance: when max/mean > {:.3} or min/mean < {:.3} for {:?}, at most {}/s",
+            1.0 + tolerance,
+            1.0 - tolerance,
+            rebalance.after,
+            rebalance.rate
+        )?;
+    }
+    Ok(())
+}
+
+fn write_health(f: &mut fmt::Formatter<'_>, health: &HealthSettings) -> fmt::Result {
+    writeln!(
+        f,
+        "  health: {} every {:?} (±20%; {:?} while down), timeout {:?}, rise {}, fall {}",
+        health.probe.describe(),
+        health.interval,
+        health.down_interval,
+        health.timeout,
+        health.rise,
+        health.fall
+    )?;
+    writeln!(
+        f,
+        "  passive: {}",
+        match health.connect_failures {
+            0 => "off".to_string(),
+            count => format!(
+                "the next probe comes at once after {count} failed connect{} in a row (reset, or SYN unanswered)",
+                if count == 1 { "" } else { "s" }
+            ),
+        }
+    )
 }
 
 /// The discovery lines of `check-config`.

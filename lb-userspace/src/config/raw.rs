@@ -7,7 +7,10 @@ use serde::Deserialize;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[serde(rename_all = "kebab-case")]
 pub(super) struct RawFile {
+    /// Sockets the kernel's socket table holds.
+    pub(super) socket_table_size: Option<i64>,
     #[serde(default)]
     pub(super) service: Vec<RawService>,
 }
@@ -52,7 +55,8 @@ pub struct RawService {
     /// Close connections on overloaded backends when the live counts stay
     /// out of balance (default false).
     pub rebalance: Option<bool>,
-    /// max/mean above 1 + this is out of balance (default 0.2).
+    /// max/mean above 1 + this, or min/mean below 1 − this, is out of
+    /// balance (default 0.2).
     pub rebalance_tolerance: Option<f64>,
     /// For this long before acting (default 10s).
     pub rebalance_after: Option<String>,
@@ -61,6 +65,11 @@ pub struct RawService {
     /// `sockmap`: same-host connections move data socket to socket
     /// (default off).
     pub accelerate: Option<String>,
+    /// `auto`, `keep` or `hand-back` (default auto).
+    pub when_daemon_gone: Option<String>,
+    /// How old the heartbeat must be for the daemon to count as gone
+    /// (default 10s).
+    pub daemon_gone_after: Option<String>,
 }
 
 /// A backend: `"ADDR:PORT[,weight=N][,preferred][,standby]"` or

@@ -3,14 +3,14 @@
 use std::{
     collections::{HashMap, HashSet},
     net::SocketAddr,
+    time::Duration,
 };
 
-use crate::planner::weight_divisor;
 use lb_common::{MAX_BACKENDS, MAX_TABLES, MAX_VIPS, NAME_LEN, SLOTS_PER_LIST};
 
 use super::{
-    Backend, BackendRole, FieldError, NoneHealthyPolicy, RawService, Rebalance, SelectionPolicy,
-    Service,
+    Backend, BackendRole, DEFAULT_DAEMON_GONE_AFTER, Discovery, FieldError, MIN_DAEMON_GONE_AFTER,
+    NoneHealthyPolicy, RawService, Rebalance, SelectionPolicy, Service, WhenDaemonGone,
     discovery::validate_discovery,
     field_error,
     health::validate_health,
@@ -29,7 +29,53 @@ pub(super) fn validate_service(
         .clone()
         .unwrap_or_else(|| format!("service{index}"));
     check_name(&name, &format!("{prefix}name"), errors);
+    let addresses = validate_addresses(&raw, prefix, errors);
+    let field_name = |toml: &str, flag: &str| {
+        if prefix.is_empty() {
+            flag.to_string()
+        } else {
+            format!("{prefix}{toml}")
+        }
+    };
+    let (policy, when_none_healthy) = validate_policies(&raw, &field_name, errors);
+    check_roles(policy, &addresses, errors);
+    let health = validate_health(&raw.health, prefix, errors);
+    let slow_start = raw.slow_start.as_deref().and_then(|text| {
+        parse_positive_duration(text, &field_name("slow-start", "--slow-start"), errors)
+    });
+    let rebalance = validate_rebalance(&raw, &field_name, errors);
+    let accelerate = validate_accelerate(&raw, &field_name, errors);
+    let (when_daemon_gone, daemon_gone_after) = validate_daemon_gone(&raw, &field_name, errors);
+    (errors.len() == before).then_some(Service {
+        name,
+        vips: addresses.vips,
+        backends: addresses.backends,
+        policy,
+        when_none_healthy,
+        all_netns: raw.all_netns,
+        close_on_failure: raw.close_on_failure.unwrap_or(true),
+        health,
+        discovery: addresses.discovery,
+        slow_start,
+        rebalance,
+        accelerate,
+        when_daemon_gone,
+        daemon_gone_after,
+    })
+}
 
+/// A service's VIPs, backends and discovery sources, checked together,
+/// with the names of their fields.
+struct Addresses {
+    vips: Vec<SocketAddr>,
+    backends: Vec<Backend>,
+    discovery: Discovery,
+    backend_field: String,
+}
+
+/// `vips`, `backends` and the discovery fields: parsed, no duplicates, a
+/// backend for each VIP's family, and no VIP that is also a backend.
+fn validate_addresses(raw: &RawService, prefix: &str, errors: &mut Vec<FieldError>) -> Addresses {
     let vip_field = if prefix.is_empty() {
         "--vip".to_string()
     } else {
@@ -45,7 +91,6 @@ pub(super) fn validate_service(
         errors.push(field_error(&vip_field, "at least one VIP is required"));
     }
     report_duplicates(&vips, &vip_field, "VIP", errors);
-
     let backend_field = if prefix.is_empty() {
         "--backend".to_string()
     } else {
@@ -60,7 +105,7 @@ pub(super) fn validate_service(
                 .map(|backend| (i, backend))
         })
         .collect();
-    let discovery = validate_discovery(&raw, prefix, errors);
+    let discovery = validate_discovery(raw, prefix, errors);
     if raw.backends.is_empty() && !discovery.is_dynamic() {
         errors.push(field_error(
             &backend_field,
@@ -75,7 +120,6 @@ pub(super) fn validate_service(
         discovered: discovery.is_dynamic(),
     };
     check_families(&vips, &indexed, &fields, errors);
-    let backends: Vec<Backend> = indexed.into_iter().map(|(_, backend)| backend).collect();
     for vip in &vips {
         if addrs.contains(vip) {
             errors.push(field_error(
@@ -84,14 +128,20 @@ pub(super) fn validate_service(
             ));
         }
     }
+    Addresses {
+        vips,
+        backends: indexed.into_iter().map(|(_, backend)| backend).collect(),
+        discovery,
+        backend_field,
+    }
+}
 
-    let field_name = |toml: &str, flag: &str| {
-        if prefix.is_empty() {
-            flag.to_string()
-        } else {
-            format!("{prefix}{toml}")
-        }
-    };
+/// `policy` and `when-none-healthy`.
+fn validate_policies(
+    raw: &RawService,
+    field_name: &dyn Fn(&str, &str) -> String,
+    errors: &mut Vec<FieldError>,
+) -> (SelectionPolicy, NoneHealthyPolicy) {
     let policy = match raw.policy.as_deref() {
         None => SelectionPolicy::default(),
         Some(text) => SelectionPolicy::parse(text).unwrap_or_else(|| {
@@ -114,6 +164,13 @@ pub(super) fn validate_service(
             NoneHealthyPolicy::default()
         }),
     };
+    (policy, when_none_healthy)
+}
+
+/// The backends' roles: `preferred` only with prefer-local, and not every
+/// backend a standby.
+fn check_roles(policy: SelectionPolicy, addresses: &Addresses, errors: &mut Vec<FieldError>) {
+    let (backends, backend_field) = (&addresses.backends, &addresses.backend_field);
     if policy != SelectionPolicy::PreferLocal
         && let Some(index) = backends
             .iter()
@@ -130,16 +187,19 @@ pub(super) fn validate_service(
             .all(|backend| backend.role == BackendRole::Standby)
     {
         errors.push(field_error(
-            &backend_field,
+            backend_field,
             "every backend is a standby; at least one must not be",
         ));
     }
-    let health = validate_health(&raw.health, prefix, errors);
-    let slow_start = raw.slow_start.as_deref().and_then(|text| {
-        parse_positive_duration(text, &field_name("slow-start", "--slow-start"), errors)
-    });
-    let rebalance = validate_rebalance(&raw, &field_name, errors);
-    let accelerate = match raw.accelerate.as_deref() {
+}
+
+/// `accelerate`: "sockmap" or "none".
+fn validate_accelerate(
+    raw: &RawService,
+    field_name: &dyn Fn(&str, &str) -> String,
+    errors: &mut Vec<FieldError>,
+) -> bool {
+    match raw.accelerate.as_deref() {
         None | Some("none") => false,
         Some("sockmap") => true,
         Some(text) => {
@@ -149,21 +209,43 @@ pub(super) fn validate_service(
             ));
             false
         }
+    }
+}
+
+/// `when-daemon-gone` and `daemon-gone-after`.
+fn validate_daemon_gone(
+    raw: &RawService,
+    field_name: &dyn Fn(&str, &str) -> String,
+    errors: &mut Vec<FieldError>,
+) -> (WhenDaemonGone, Duration) {
+    let when = match raw.when_daemon_gone.as_deref() {
+        None => WhenDaemonGone::default(),
+        Some(text) => WhenDaemonGone::parse(text).unwrap_or_else(|| {
+            errors.push(field_error(
+                field_name("when-daemon-gone", "--when-daemon-gone"),
+                format!("unknown behaviour {text:?}; expected \"auto\", \"keep\" or \"hand-back\""),
+            ));
+            WhenDaemonGone::default()
+        }),
     };
-    (errors.len() == before).then_some(Service {
-        name,
-        vips,
-        backends,
-        policy,
-        when_none_healthy,
-        all_netns: raw.all_netns,
-        close_on_failure: raw.close_on_failure.unwrap_or(true),
-        health,
-        discovery,
-        slow_start,
-        rebalance,
-        accelerate,
-    })
+    let field = field_name("daemon-gone-after", "--daemon-gone-after");
+    let after = match raw.daemon_gone_after.as_deref() {
+        None => DEFAULT_DAEMON_GONE_AFTER,
+        Some(text) => match parse_positive_duration(text, &field, errors) {
+            Some(after) if after < MIN_DAEMON_GONE_AFTER => {
+                errors.push(field_error(
+                    &field,
+                    format!(
+                        "{text:?} is shorter than {MIN_DAEMON_GONE_AFTER:?}: the heartbeat beats twice a second, and a daemon busy for a moment must not hand its VIPs back"
+                    ),
+                ));
+                DEFAULT_DAEMON_GONE_AFTER
+            }
+            Some(after) => after,
+            None => DEFAULT_DAEMON_GONE_AFTER,
+        },
+    };
+    (when, after)
 }
 
 /// The rebalance fields: settings only with `rebalance = true`.
@@ -350,6 +432,19 @@ fn check_families(
             ));
         }
     }
+}
+
+/// The greatest common divisor of the weights (at least 1): dividing by it
+/// keeps the ratios and uses the fewest slots.
+pub fn weight_divisor(weights: &[u32]) -> u32 {
+    weights
+        .iter()
+        .fold(0, |acc, &weight| gcd(acc, weight))
+        .max(1)
+}
+
+fn gcd(a: u32, b: u32) -> u32 {
+    if b == 0 { a } else { gcd(b, a % b) }
 }
 
 /// Slots a list of weights takes in a selection list: each weight divided

@@ -3,7 +3,7 @@ use std::time::Duration;
 use lb_common::SLOTS_PER_LIST;
 
 use super::*;
-use crate::health::probe::TlsOptions;
+use crate::health::probe::{ProbeSpec, TlsOptions};
 
 const GOOD: &str = r#"
     [[service]]
@@ -68,6 +68,26 @@ fn defaults_apply() {
     assert!(!service.all_netns);
     assert_eq!(service.health, HealthSettings::default());
     assert_eq!(service.backends[0].weight, 1);
+}
+
+#[test]
+fn acceleration_is_off_by_default_and_check_config_lists_its_known_failures() {
+    let plain = parse_toml("[[service]]\nvips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:2\"]");
+    let plain = plain.unwrap();
+    assert!(!plain.services[0].accelerate);
+    assert!(!plain.to_string().contains("known failure"));
+    let accelerated = parse_toml(&service_toml(
+        "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:2\"]\naccelerate=\"sockmap\"",
+    ))
+    .unwrap();
+    let printed = accelerated.to_string();
+    for failure in super::SOCKMAP_KNOWN_FAILURES {
+        assert!(
+            printed.contains(&format!("known failure: {failure}")),
+            "{printed}"
+        );
+    }
+    assert!(printed.contains("EAGAIN (tcp_bpf_recvmsg)"), "{printed}");
 }
 
 fn service_toml(body: &str) -> String {
@@ -318,6 +338,30 @@ const INVALID: &[(&str, &str, &str, &str)] = &[
         "not a duration",
     ),
     (
+        "unknown when-daemon-gone",
+        "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\nwhen-daemon-gone=\"later\"",
+        "service[0].when-daemon-gone",
+        "unknown behaviour \"later\"; expected \"auto\", \"keep\" or \"hand-back\"",
+    ),
+    (
+        "daemon-gone-after shorter than two heartbeats",
+        "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\ndaemon-gone-after=\"1s\"",
+        "service[0].daemon-gone-after",
+        "shorter than 2s",
+    ),
+    (
+        "daemon-gone-after not a duration",
+        "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\ndaemon-gone-after=\"soon\"",
+        "service[0].daemon-gone-after",
+        "not a duration",
+    ),
+    (
+        "daemon-gone-after too long",
+        "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\ndaemon-gone-after=\"2h\"",
+        "service[0].daemon-gone-after",
+        "out of range",
+    ),
+    (
         "bad down interval",
         "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\nhealth={down-interval=\"x\"}",
         "service[0].health.down-interval",
@@ -385,6 +429,70 @@ fn every_validation_error_names_its_field() {
             "{what}: wanted {field}: …{words}…, got {errors:?}"
         );
     }
+}
+
+#[test]
+fn hand_back_and_the_socket_table_are_read_with_their_defaults() {
+    let config = parse_toml(&format!(
+        "socket-table-size = 70000\n{}",
+        service_toml(
+            "vips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]\nwhen-daemon-gone=\"hand-back\"\ndaemon-gone-after=\"2s\""
+        )
+    ))
+    .unwrap();
+    assert_eq!(config.socket_table_size, 70000);
+    assert_eq!(
+        config.services[0].when_daemon_gone,
+        WhenDaemonGone::HandBack
+    );
+    assert_eq!(config.services[0].daemon_gone_after, Duration::from_secs(2));
+    let defaults =
+        parse_toml("[[service]]\nvips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]").unwrap();
+    assert_eq!(
+        defaults.socket_table_size,
+        lb_common::DEFAULT_SOCKET_TABLE_SIZE
+    );
+    assert_eq!(defaults.services[0].when_daemon_gone, WhenDaemonGone::Auto);
+    assert_eq!(
+        defaults.services[0].daemon_gone_after,
+        DEFAULT_DAEMON_GONE_AFTER
+    );
+}
+
+#[test]
+fn a_socket_table_size_out_of_range_names_its_field() {
+    let service = "[[service]]\nvips=[\"127.0.0.1:1\"]\nbackends=[\"127.0.0.2:1\"]";
+    for size in ["0", "1023", "4194305", "-1"] {
+        let Err(ConfigError::Invalid(errors)) =
+            parse_toml(&format!("socket-table-size = {size}\n{service}"))
+        else {
+            panic!("{size}: expected a validation error");
+        };
+        assert!(
+            errors.iter().any(|error| error.field == "socket-table-size"
+                && error.problem.contains("out of range 1024..=4194304")),
+            "{size}: {errors:?}"
+        );
+    }
+    let raw = RawService {
+        vips: vec!["127.0.0.1:1".into()],
+        backends: vec![RawBackend::Spec("127.0.0.2:1".into())],
+        when_daemon_gone: Some("never".into()),
+        daemon_gone_after: Some("500ms".into()),
+        ..RawService::default()
+    };
+    let Err(ConfigError::Invalid(errors)) = validate_with(vec![raw], "flags", Some(12)) else {
+        panic!("expected errors");
+    };
+    let fields: Vec<&str> = errors.iter().map(|e| e.field.as_str()).collect();
+    assert_eq!(
+        fields,
+        [
+            "--socket-table-size",
+            "--when-daemon-gone",
+            "--daemon-gone-after"
+        ]
+    );
 }
 
 #[test]

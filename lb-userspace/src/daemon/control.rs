@@ -20,6 +20,7 @@ use tokio::{
 use tracing::{debug, warn};
 
 use super::accept::AcceptErrors;
+pub use crate::protocol::{DaemonInfo, FleetInfo, ServiceSourcesInfo};
 
 /// Longest request line the daemon reads.
 const MAX_REQUEST_BYTES: u64 = 4096;
@@ -53,40 +54,6 @@ impl Reply {
             info: None,
         }
     }
-}
-
-/// What `socklb status` shows from the running daemon itself.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DaemonInfo {
-    pub config_generation: u64,
-    /// The last reload (SIGHUP or a changed file), if any.
-    pub last_reload: Option<crate::daemon::ReloadStatus>,
-    /// Where each service's backends come from.
-    pub services: Vec<ServiceSourcesInfo>,
-    /// Slow starts and rebalancing, per service that has either.
-    #[serde(default)]
-    pub fleet: Vec<FleetInfo>,
-}
-
-/// A service's slow starts in progress and rebalancing moves so far.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct FleetInfo {
-    pub service: String,
-    /// Backends in slow start, with their step (of 10).
-    pub ramping: Vec<(String, u32)>,
-    /// Connections closed to rebalance, since the daemon started.
-    pub rebalance_moves: u64,
-}
-
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ServiceSourcesInfo {
-    pub service: String,
-    /// The source the table follows ("endpointslices", "k3s-state",
-    /// "persisted", "static"), or none yet.
-    pub following: Option<String>,
-    pub backends: usize,
-    /// Each dynamic source and what it last said.
-    pub sources: Vec<(String, String)>,
 }
 
 /// A request for the event loop, with the way back to its client.

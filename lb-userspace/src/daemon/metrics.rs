@@ -80,6 +80,7 @@ pub struct Metrics {
     discovery_updates: Family<Labels, Counter>,
     discovery_problems: Family<Labels, Counter>,
     rebalance_moves: Family<Labels, Counter>,
+    connections_kept: Family<Labels, Counter>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -105,6 +106,7 @@ impl Metrics {
         let discovery_updates = Family::<Labels, Counter>::default();
         let discovery_problems = Family::<Labels, Counter>::default();
         let rebalance_moves = Family::<Labels, Counter>::default();
+        let connections_kept = Family::<Labels, Counter>::default();
         let build_info = Family::<Labels, Gauge>::default();
         build_info
             .get_or_create(&labels(&[("version", env!("CARGO_PKG_VERSION"))]))
@@ -144,6 +146,11 @@ impl Metrics {
             "Connections closed to rebalance a service's backends, by the backend they left",
             rebalance_moves.clone(),
         );
+        registry.register(
+            "socklb_close_on_failure_kept",
+            "Times a service lost its last healthy backend and close-on-failure kept the connections where they were",
+            connections_kept.clone(),
+        );
         registry.register_collector(Box::new(KernelCollector {
             snapshot: snapshot.clone(),
         }));
@@ -157,7 +164,15 @@ impl Metrics {
             discovery_updates,
             discovery_problems,
             rebalance_moves,
+            connections_kept,
         }
+    }
+
+    /// A service lost its last healthy backend; its connections stay.
+    pub fn connections_kept(&self, service: &str) {
+        self.connections_kept
+            .get_or_create(&labels(&[("service", service)]))
+            .inc();
     }
 
     pub fn rebalanced(&self, service: &str, backend: SocketAddr, count: usize) {
@@ -255,6 +270,76 @@ fn encode_family<M: EncodeMetric>(
     Ok(())
 }
 
+/// One sample per backend of every service, made by `sample`.
+fn per_backend<M>(
+    report: &StatusReport,
+    sample: impl Fn(&crate::status::BackendStatus) -> M,
+) -> Vec<(Labels, M)> {
+    report
+        .services
+        .iter()
+        .flat_map(|service| {
+            service.backends.iter().map(|backend| {
+                (
+                    labels(&[("service", &service.name), ("backend", &backend.addr)]),
+                    sample(backend),
+                )
+            })
+        })
+        .collect()
+}
+
+/// One counter per service, made by `value`.
+fn per_service(
+    report: &StatusReport,
+    value: impl Fn(&crate::status::ServiceStatus) -> u64,
+) -> Vec<(Labels, ConstCounter)> {
+    report
+        .services
+        .iter()
+        .map(|service| {
+            (
+                labels(&[("service", &service.name)]),
+                ConstCounter::new(value(service)),
+            )
+        })
+        .collect()
+}
+
+/// The backends' families: health, live connections, redirects, failed
+/// connects.
+fn encode_backends(
+    encoder: &mut DescriptorEncoder,
+    report: &StatusReport,
+) -> Result<(), std::fmt::Error> {
+    encode_family(
+        encoder,
+        "socklb_backend_healthy",
+        "1 while the backend is healthy (its probes pass), else 0",
+        per_backend(report, |backend| {
+            ConstGauge::new(i64::from(backend.healthy))
+        }),
+    )?;
+    encode_family(
+        encoder,
+        "socklb_backend_live_connections",
+        "Established connections socklb sent to the backend that are open now",
+        per_backend(report, |backend| ConstGauge::new(backend.live)),
+    )?;
+    encode_family(
+        encoder,
+        "socklb_backend_redirects",
+        "Connects socklb redirected to the backend",
+        per_backend(report, |backend| ConstCounter::new(backend.redirects)),
+    )?;
+    encode_family(
+        encoder,
+        "socklb_backend_failed_connects",
+        "Redirected connects that failed on the server side (a reset, or the SYN unanswered)",
+        per_backend(report, |backend| ConstCounter::new(backend.failed_connects)),
+    )
+}
+
 impl Collector for KernelCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let Ok(snapshot) = self.snapshot.lock() else {
@@ -263,74 +348,23 @@ impl Collector for KernelCollector {
         let Some(report) = snapshot.as_ref() else {
             return Ok(());
         };
-        // One sample per backend of every service, made by `sample`.
-        fn per_backend<M>(
-            report: &StatusReport,
-            sample: impl Fn(&crate::status::BackendStatus) -> M,
-        ) -> Vec<(Labels, M)> {
-            report
-                .services
-                .iter()
-                .flat_map(|service| {
-                    service.backends.iter().map(|backend| {
-                        (
-                            labels(&[("service", &service.name), ("backend", &backend.addr)]),
-                            sample(backend),
-                        )
-                    })
-                })
-                .collect()
-        }
-        encode_family(
-            &mut encoder,
-            "socklb_backend_healthy",
-            "1 while the backend is healthy (its probes pass), else 0",
-            per_backend(report, |backend| {
-                ConstGauge::new(i64::from(backend.healthy))
-            }),
-        )?;
-        encode_family(
-            &mut encoder,
-            "socklb_backend_live_connections",
-            "Established connections socklb sent to the backend that are open now",
-            per_backend(report, |backend| ConstGauge::new(backend.live)),
-        )?;
-        encode_family(
-            &mut encoder,
-            "socklb_backend_redirects",
-            "Connects socklb redirected to the backend",
-            per_backend(report, |backend| ConstCounter::new(backend.redirects)),
-        )?;
-        encode_family(
-            &mut encoder,
-            "socklb_backend_failed_connects",
-            "Redirected connects that failed on the server side (a reset, or the SYN unanswered)",
-            per_backend(report, |backend| ConstCounter::new(backend.failed_connects)),
-        )?;
-        let per_service = |value: &dyn Fn(&crate::status::ServiceStatus) -> u64| {
-            report
-                .services
-                .iter()
-                .map(|service| {
-                    (
-                        labels(&[("service", &service.name)]),
-                        ConstCounter::new(value(service)),
-                    )
-                })
-                .collect::<Vec<_>>()
-        };
+        encode_backends(&mut encoder, report)?;
         encode_family(
             &mut encoder,
             "socklb_service_none_healthy",
             "Connects to the service's VIPs that found no healthy backend",
-            per_service(&|service| service.none_healthy),
+            per_service(report, |service| service.none_healthy),
         )?;
         encode_family(
             &mut encoder,
             "socklb_service_rejected",
             "Of those, connects refused by the reject policy",
-            per_service(&|service| service.rejected),
+            per_service(report, |service| service.rejected),
         )?;
+        encode_hand_back(&mut encoder, report)?;
+        if let Some(table) = &report.data_plane.socket_table {
+            encode_socket_table(&mut encoder, table)?;
+        }
         encode_family(
             &mut encoder,
             "socklb_dataplane_repairs",
@@ -344,6 +378,87 @@ impl Collector for KernelCollector {
         )?;
         Ok(())
     }
+}
+
+/// The services' `when-daemon-gone`: what is configured and applies, and
+/// whether the kernel hands the VIPs back now.
+fn encode_hand_back(
+    encoder: &mut DescriptorEncoder,
+    report: &StatusReport,
+) -> Result<(), std::fmt::Error> {
+    encode_family(
+        encoder,
+        "socklb_when_daemon_gone_info",
+        "What a service's VIPs do once the daemon is gone: configured (auto, keep, hand-back) and effective (keep, hand-back) (always 1)",
+        report
+            .services
+            .iter()
+            .map(|service| {
+                let mode = &service.when_daemon_gone;
+                (
+                    labels(&[
+                        ("service", &service.name),
+                        ("configured", &mode.configured),
+                        ("effective", &mode.effective),
+                    ]),
+                    ConstGauge::new(1),
+                )
+            })
+            .collect(),
+    )?;
+    encode_family(
+        encoder,
+        "socklb_hand_back_active",
+        "1 while the kernel hands the service's VIPs back (the daemon's heartbeat is older than daemon-gone-after), else 0",
+        report
+            .services
+            .iter()
+            .map(|service| {
+                (
+                    labels(&[("service", &service.name)]),
+                    ConstGauge::new(i64::from(service.when_daemon_gone.handed_back)),
+                )
+            })
+            .collect(),
+    )
+}
+
+/// The socket table's families: its size, use, memory and overflow.
+fn encode_socket_table(
+    encoder: &mut DescriptorEncoder,
+    table: &crate::status::SocketTableStatus,
+) -> Result<(), std::fmt::Error> {
+    let gauges = [
+        (
+            "socklb_socket_table_capacity",
+            "Sockets the kernel's socket table can hold (socket-table-size)",
+            i64::from(table.capacity),
+        ),
+        (
+            "socklb_socket_table_tracked",
+            "Redirected sockets the socket table holds now",
+            i64::try_from(table.tracked).unwrap_or(i64::MAX),
+        ),
+        (
+            "socklb_socket_table_memory_bytes",
+            "Kernel memory of the socket table, allocated whole when it was made",
+            i64::try_from(table.memory_bytes).unwrap_or(i64::MAX),
+        ),
+    ];
+    for (name, help, value) in gauges {
+        encode_family(
+            encoder,
+            name,
+            help,
+            vec![(Labels::new(), ConstGauge::new(value))],
+        )?;
+    }
+    encode_family(
+        encoder,
+        "socklb_socket_table_untracked",
+        "Connects redirected without a record because the socket table was full",
+        vec![(Labels::new(), ConstCounter::new(table.untracked))],
+    )
 }
 
 /// A scrape's request for a fresh reading, answered by the event loop.

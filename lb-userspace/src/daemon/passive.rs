@@ -1,4 +1,4 @@
-//! The kernel's passive signal, and the confirming probes it triggers.
+//! The kernel's passive signal, and the probes it hurries.
 //!
 //! The sock_ops program reports a connect only when the server side failed
 //! it: a reset received while the socket never established (`segs_in > 0`
@@ -6,22 +6,29 @@
 //! callback). A connect that the application itself closed is never
 //! reported, so a local process cannot forge the signal by aborting its
 //! own connects. It can still make a SYN go unanswered (a tiny TTL, for
-//! one), so the signal never takes a backend out by itself: it starts a
-//! probe at once, and the probe decides. A dead server still leaves within
-//! a millisecond or so, because its reset fails the probe too.
+//! one), so the signal is never evidence against a backend: it only makes
+//! the backend's next probe come at once, and only while its last probe
+//! passed. Taking a backend out needs what the active checker needs, `fall`
+//! failed probes in a row, at the pace the checker keeps during a streak
+//! (the down interval, when shorter than the interval): a hurried probe
+//! can start a streak sooner, never end one sooner. The one exception is
+//! unforgeable: once the kernel saw the server reset connects, a refused
+//! probe is followed by the next within 50 ms, so a dead server leaves
+//! after `fall` refusals in a fraction of a second.
 //!
-//! Confirming probes are rate-limited per backend: at most one in flight,
-//! and at most one started per [`CONFIRM_GAP`]. A flood of reports costs
-//! the backend a few probes a second, never its place in the table.
+//! Hurried probes are rate-limited per backend: at most one requested per
+//! [`CONFIRM_GAP`]. A flood of reports costs the backend a few probes a
+//! second, never its place in the table.
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::HashMap,
     time::{Duration, Instant},
 };
 
 use lb_common::{ConnectFailure, EVIDENCE_RESET, EVIDENCE_SYN_TIMEOUT};
 
-/// Least time between two confirming probes of one backend.
+/// Least time between two probes of one backend hurried by the kernel's
+/// reports.
 pub const CONFIRM_GAP: Duration = Duration::from_millis(500);
 
 /// Says what the kernel saw, for log lines.
@@ -46,8 +53,8 @@ pub fn parse_connect_failure(bytes: &[u8]) -> Option<ConnectFailure> {
     })
 }
 
-/// What the kernel reported of one backend since its last confirming
-/// probe began.
+/// What the kernel reported of one backend since its last hurried probe
+/// was asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Reports {
     pub count: u32,
@@ -67,40 +74,40 @@ impl Reports {
     }
 }
 
-/// Per backend: whether a confirming probe runs, when the last began, and
-/// the reports it answers.
+/// Per backend: when its last hurried probe was asked for, and the reports
+/// since.
 #[derive(Debug, Default)]
 pub struct Confirmer {
-    last_started: HashMap<u32, Instant>,
-    in_flight: HashSet<u32>,
+    last_hurried: HashMap<u32, Instant>,
     reports: HashMap<u32, Reports>,
 }
 
 impl Confirmer {
-    /// Notes a report; returns whether to start a confirming probe now.
+    /// Notes a report; returns whether to hurry the backend's probe now.
     pub fn report(&mut self, backend_id: u32, evidence: u32, now: Instant) -> bool {
         let reports = self.reports.entry(backend_id).or_default();
         reports.count += 1;
         reports.evidence = evidence;
-        if self.in_flight.contains(&backend_id) {
-            return false;
-        }
         let recent = self
-            .last_started
+            .last_hurried
             .get(&backend_id)
-            .is_some_and(|started| now.saturating_duration_since(*started) < CONFIRM_GAP);
+            .is_some_and(|hurried| now.saturating_duration_since(*hurried) < CONFIRM_GAP);
         if recent {
             return false;
         }
-        self.last_started.insert(backend_id, now);
-        self.in_flight.insert(backend_id);
+        self.last_hurried.insert(backend_id, now);
         true
     }
 
-    /// The confirming probe ended; returns the reports it answered.
-    pub fn finished(&mut self, backend_id: u32) -> Reports {
-        self.in_flight.remove(&backend_id);
+    /// A hurried probe answered; returns the reports that hurried it.
+    pub fn answered(&mut self, backend_id: u32) -> Reports {
         self.reports.remove(&backend_id).unwrap_or_default()
+    }
+
+    /// The backend is no longer probed: forget it.
+    pub fn forget(&mut self, backend_id: u32) {
+        self.last_hurried.remove(&backend_id);
+        self.reports.remove(&backend_id);
     }
 }
 
@@ -109,16 +116,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn one_probe_at_a_time_and_at_most_one_per_gap() {
+    fn at_most_one_hurried_probe_per_gap() {
         let mut confirmer = Confirmer::default();
         let start = Instant::now();
-        // (what, backend, time after start, probe now?)
+        // (what, backend, time after start, hurry now?)
         let steps = [
-            ("first report probes", 1, 0, true),
-            ("while it runs, no other", 1, 10, false),
+            ("first report hurries", 1, 0, true),
+            ("within the gap, no other", 1, 10, false),
             ("another backend is independent", 2, 10, true),
-            ("still in flight", 1, 600, false),
-            ("other backend still in flight", 2, 20, false),
+            ("still within the gap", 1, 499, false),
+            ("a gap later, again", 1, 500, true),
             ("third backend", 3, 0, true),
         ];
         for (what, backend, after_ms, expected) in steps {
@@ -129,21 +136,15 @@ mod tests {
                 "{what}"
             );
         }
-        let answered = confirmer.finished(1);
-        assert_eq!(
-            answered.count, 3,
-            "the probe answers every report of backend 1"
-        );
+        let answered = confirmer.answered(1);
+        assert_eq!(answered.count, 4, "every report of backend 1 so far");
         assert_eq!(
             answered.describe(),
-            "3 failed connects seen by the kernel (reset by the server)"
+            "4 failed connects seen by the kernel (reset by the server)"
         );
-        assert!(
-            !confirmer.report(1, EVIDENCE_SYN_TIMEOUT, start + Duration::from_millis(100)),
-            "within the gap after the last start"
-        );
-        assert!(confirmer.report(1, EVIDENCE_SYN_TIMEOUT, start + CONFIRM_GAP));
-        assert_eq!(confirmer.finished(1).count, 2);
+        assert_eq!(confirmer.answered(1).count, 0, "taken once");
+        confirmer.forget(2);
+        assert!(confirmer.report(2, EVIDENCE_SYN_TIMEOUT, start + Duration::from_millis(20)));
     }
 
     #[test]

@@ -14,13 +14,11 @@ use lb_common::{BackendInfo, Endpoint, Settings};
 use tracing::{info, warn};
 
 use crate::{
+    convert::{endpoint, socket_addr},
     dataplane::{BackendHealth, Desired, Drift, MapStore, StoreError, Writer, tables::table_name},
     errors,
     health::{HealthTracker, ProbeFailure, Transition},
-    planner::{
-        BackendLayout, KnownIds, Layout, RAMP_STEPS, TableLayout, endpoint, plan_ramped,
-        socket_addr,
-    },
+    planner::{BackendLayout, KnownIds, Layout, RAMP_STEPS, TableLayout, plan_ramped},
 };
 
 /// The ids the pinned records give: what `Layout::keeping` keeps.
@@ -43,7 +41,7 @@ pub fn known_ids(store: &dyn MapStore) -> Result<KnownIds, StoreError> {
         {
             known.backends.insert((service.clone(), addr), id);
         }
-        if store.connections(id).live > 0 {
+        if store.connections(id)?.live > 0 {
             known.busy.insert(id);
         }
     }
@@ -70,9 +68,9 @@ pub struct Reconfigured {
     /// Probe loops to start: backends added, or whose id or health
     /// settings changed.
     pub probe: Vec<u32>,
-    /// Addresses no service lists any more, and whether their service
-    /// closes the connections of a backend that leaves.
-    pub removed: Vec<(SocketAddr, bool)>,
+    /// Addresses no service lists any more, and what becomes of their
+    /// connections.
+    pub removed: Vec<(SocketAddr, Departure)>,
     /// Backends added to a service that already ran (they wait for a
     /// passed probe).
     pub added: Vec<SocketAddr>,
@@ -112,6 +110,13 @@ pub struct Owner {
     writer: Writer,
     /// A write failed; the next pass tries again.
     dirty: bool,
+    /// Backends that went down while every other healthy backend of their
+    /// table failed its last probe too: their connections wait for a
+    /// better place (see `closes.rs`).
+    held: BTreeSet<u32>,
+    /// Tables that lost their last healthy backend with connections kept
+    /// where they were; they stay there when health comes back.
+    kept: HashSet<u32>,
 }
 
 impl Owner {
@@ -132,6 +137,8 @@ impl Owner {
             settings,
             writer: Writer::default(),
             dirty: false,
+            held: BTreeSet::new(),
+            kept: HashSet::new(),
         };
         owner.update_draining();
         owner
@@ -229,6 +236,28 @@ impl Owner {
                 }
             }
         }
+        self.departed(&old_backends, &trackers, &mut changes);
+        changes.removed.sort();
+        // Connections held or kept under the old layout stay where they
+        // are.
+        self.held.clear();
+        self.kept.clear();
+        // Rebalancing starts over with the new layout.
+        self.steered.clear();
+        self.carry_ramps(&old_backends);
+        self.trackers = trackers;
+        self.update_draining();
+        changes
+    }
+
+    /// The backends of the old layout that the new one lacks: their loops
+    /// stop, and an address no service lists any more departs.
+    fn departed(
+        &self,
+        old_backends: &HashMap<(&str, SocketAddr), (&TableLayout, &BackendLayout)>,
+        trackers: &HashMap<u32, HealthTracker>,
+        changes: &mut Reconfigured,
+    ) {
         let kept: HashSet<(&str, SocketAddr)> = self
             .layout
             .backends()
@@ -239,20 +268,25 @@ impl Owner {
             .backends()
             .map(|(_, backend)| backend.addr)
             .collect();
-        for ((service, addr), (table, backend)) in &old_backends {
+        for ((service, addr), (table, backend)) in old_backends {
             if kept.contains(&(*service, *addr)) {
                 continue;
             }
             changes.unprobe.push(backend.id);
             if !still_listed.contains(addr) && !changes.removed.iter().any(|(a, _)| a == addr) {
-                changes.removed.push((*addr, table.close_on_failure));
+                let departure =
+                    closes::departure(&self.layout, trackers, service, table.close_on_failure);
+                changes.removed.push((*addr, departure));
             }
         }
-        changes.removed.sort();
-        // Rebalancing starts over with the new layout.
-        self.steered.clear();
-        // A ramp follows its backend to a new id; a service whose slow
-        // start is now off ends its ramps.
+    }
+
+    /// A ramp follows its backend to a new id; a service whose slow start
+    /// is now off ends its ramps.
+    fn carry_ramps(
+        &mut self,
+        old_backends: &HashMap<(&str, SocketAddr), (&TableLayout, &BackendLayout)>,
+    ) {
         let ramps = std::mem::take(&mut self.ramps);
         for (table, backend) in self.layout.backends() {
             let ramp = old_backends
@@ -264,9 +298,6 @@ impl Owner {
                 self.ramps.insert(backend.id, *ramp);
             }
         }
-        self.trackers = trackers;
-        self.update_draining();
-        changes
     }
 
     pub fn layout(&self) -> &Layout {
@@ -456,12 +487,6 @@ impl Owner {
         changed
     }
 
-    /// A confirming probe failed after the kernel saw failed connects: the
-    /// backend leaves at once, without waiting for `fall` probes.
-    pub fn confirm_down(&mut self, id: u32, reason: String) -> Option<Transition> {
-        self.trackers.get_mut(&id)?.mark_down(reason, 1)
-    }
-
     /// Drains a backend (or ends its drain), as `socklb drain` asks.
     pub fn request_drain(
         &mut self,
@@ -547,5 +572,8 @@ impl Owner {
     }
 }
 
+mod closes;
 #[cfg(test)]
 mod tests;
+
+pub use closes::{CloseVerdict, Departure};

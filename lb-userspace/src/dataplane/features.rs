@@ -5,7 +5,7 @@
 //! at load; the verifier drops the branches of missing features, helper
 //! calls included, so one object loads on every supported kernel.
 
-use std::{fmt, io::Read};
+use std::fmt;
 
 use aya::{
     programs::ProgramType,
@@ -14,9 +14,8 @@ use aya::{
 use lb_common::features;
 
 /// Test-only: a comma-separated list of features to treat as missing
-/// (`set-retval`, `netns-cookie`, `sk-storage`, `sock-destroy`,
-/// `sockmap`), to test
-/// each degraded mode on a kernel that has them all.
+/// (`set-retval`, `netns-cookie`, `callbacks-at-connect`, `sock-destroy`,
+/// `sockmap`), to test each degraded mode on a kernel that has them all.
 pub const DISABLE_FOR_TEST: &str = "SOCKLB_TEST_DISABLE_FEATURES";
 
 /// The probed features.
@@ -27,15 +26,13 @@ pub struct Features {
     /// `bpf_get_netns_cookie` in sock_addr programs (5.7) and the
     /// `SO_NETNS_COOKIE` socket option (5.14), which gives the daemon's own.
     pub netns_cookie: bool,
-    /// `bpf_sk_storage_get` in sock_addr programs.
-    pub sk_storage: bool,
+    /// `bpf_setsockopt(TCP_BPF_SOCK_OPS_CB_FLAGS)` (Linux 6.12): connect4/6
+    /// ask for a redirected socket's sock_ops callbacks themselves.
+    pub callbacks_at_connect: bool,
     /// `SOCK_DESTROY` over sock_diag (`CONFIG_INET_DIAG_DESTROY`).
     pub sock_destroy: bool,
-    /// The `bpf_sock_destroy` kfunc for socket iterators (6.5); known, not
-    /// used (close-on-failure uses sock_diag).
-    pub sock_destroy_kfunc: bool,
     /// sockmap acceleration: `bpf_get_netns_cookie` in sock_ops and
-    /// sk_msg programs (5.15), with socket storage.
+    /// sk_msg programs (5.15).
     pub sockmap: bool,
 }
 
@@ -44,9 +41,8 @@ impl Features {
     pub const ALL: Self = Self {
         set_retval: true,
         netns_cookie: true,
-        sk_storage: true,
+        callbacks_at_connect: true,
         sock_destroy: true,
-        sock_destroy_kfunc: true,
         sockmap: true,
     };
 
@@ -58,16 +54,14 @@ impl Features {
             set_retval: helper(BpfHelper::BPF_FUNC_set_retval),
             netns_cookie: helper(BpfHelper::BPF_FUNC_get_netns_cookie)
                 && super::current_netns_cookie().is_ok(),
-            sk_storage: helper(BpfHelper::BPF_FUNC_sk_storage_get),
+            callbacks_at_connect: helper(BpfHelper::BPF_FUNC_setsockopt)
+                && kernel_release_at_least(&kernel_release(), (6, 12)),
             sock_destroy: crate::sockets::destroy_supported(),
-            sock_destroy_kfunc: kernel_btf_mentions(b"bpf_sock_destroy"),
-            sockmap: helper(BpfHelper::BPF_FUNC_sk_storage_get)
-                && [ProgramType::SockOps, ProgramType::SkMsg]
-                    .into_iter()
-                    .all(|kind| {
-                        is_helper_supported(kind, BpfHelper::BPF_FUNC_get_netns_cookie)
-                            .unwrap_or(false)
-                    }),
+            sockmap: [ProgramType::SockOps, ProgramType::SkMsg]
+                .into_iter()
+                .all(|kind| {
+                    is_helper_supported(kind, BpfHelper::BPF_FUNC_get_netns_cookie).unwrap_or(false)
+                }),
         };
         probed.without(&std::env::var(DISABLE_FOR_TEST).unwrap_or_default())
     }
@@ -78,10 +72,7 @@ impl Features {
             match name {
                 "set-retval" => self.set_retval = false,
                 "netns-cookie" => self.netns_cookie = false,
-                "sk-storage" => {
-                    self.sk_storage = false;
-                    self.sockmap = false;
-                }
+                "callbacks-at-connect" => self.callbacks_at_connect = false,
                 "sockmap" => self.sockmap = false,
                 "sock-destroy" => self.sock_destroy = false,
                 _ => {}
@@ -99,8 +90,8 @@ impl Features {
         if self.netns_cookie {
             bits |= features::NETNS_COOKIE;
         }
-        if self.sk_storage {
-            bits |= features::SK_STORAGE;
+        if self.callbacks_at_connect {
+            bits |= features::CALLBACKS_AT_CONNECT;
         }
         if self.sockmap {
             bits |= features::SOCKMAP;
@@ -118,8 +109,8 @@ impl Features {
         if !self.netns_cookie {
             lines.push(Degradation::NoNetnsCookie);
         }
-        if !self.sk_storage {
-            lines.push(Degradation::NoSkStorage);
+        if !self.callbacks_at_connect {
+            lines.push(Degradation::NoCallbacksAtConnect);
         }
         if !self.sock_destroy {
             lines.push(Degradation::NoSockDestroy);
@@ -136,7 +127,7 @@ impl Features {
 pub enum Degradation {
     NoSetRetval,
     NoNetnsCookie,
-    NoSkStorage,
+    NoCallbacksAtConnect,
     NoSockDestroy,
     NoSockmap,
 }
@@ -150,28 +141,35 @@ impl fmt::Display for Degradation {
             Self::NoNetnsCookie => {
                 "kernel without network namespace cookies (bpf_get_netns_cookie < 5.7, SO_NETNS_COOKIE < 5.14): connects from every network namespace in the cgroup are redirected, as with all-netns"
             }
-            Self::NoSkStorage => {
-                "kernel without socket storage in sock_addr programs: per-socket records go to an LRU of 65,536 entries; past that, getpeername may show the backend and live counts may drift"
+            Self::NoCallbacksAtConnect => {
+                "kernel without bpf_setsockopt(TCP_BPF_SOCK_OPS_CB_FLAGS) (Linux < 6.12): sock_ops looks every connecting socket of the cgroup up to find the redirected ones, which costs each ordinary connection one lookup more"
             }
             Self::NoSockDestroy => {
                 "kernel without SOCK_DESTROY over sock_diag (CONFIG_INET_DIAG_DESTROY): close-on-failure is off; connections to a failed backend stay until they end"
             }
             Self::NoSockmap => {
-                "kernel without bpf_get_netns_cookie in sock_ops and sk_msg programs (Linux < 5.15) or without socket storage: accelerate = \"sockmap\" is ignored, every connection takes the normal path"
+                "kernel without bpf_get_netns_cookie in sock_ops and sk_msg programs (Linux < 5.15): accelerate = \"sockmap\" is ignored, every connection takes the normal path"
             }
         })
     }
 }
 
-/// Whether the kernel's BTF names a symbol (a cheap way to know a kfunc).
-fn kernel_btf_mentions(symbol: &[u8]) -> bool {
-    let mut bytes = Vec::new();
-    let read = std::fs::File::open("/sys/kernel/btf/vmlinux")
-        .and_then(|mut file| file.read_to_end(&mut bytes));
-    read.is_ok()
-        && bytes.windows(symbol.len() + 2).any(|window| {
-            window[0] == 0 && &window[1..=symbol.len()] == symbol && window[symbol.len() + 1] == 0
-        })
+/// The running kernel's release (`uname -r`), empty if unknown.
+fn kernel_release() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|text| text.trim().to_string())
+        .unwrap_or_default()
+}
+
+/// Whether a release such as `6.18.44-fc` is at least `major.minor`.
+fn kernel_release_at_least(release: &str, (major, minor): (u32, u32)) -> bool {
+    let mut numbers = release
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|part| part.parse::<u32>().ok());
+    match (numbers.next().flatten(), numbers.next().flatten()) {
+        (Some(found_major), Some(found_minor)) => (found_major, found_minor) >= (major, minor),
+        _ => false,
+    }
 }
 
 #[cfg(test)]
@@ -180,14 +178,15 @@ mod tests {
 
     #[test]
     fn the_test_switch_turns_features_off_one_by_one() {
-        let all = features::ALL;
+        // The legacy readers are the install's to set, not the kernel's.
+        let all = features::ALL & !features::LEGACY_STORAGE & !features::LEGACY_LRU;
         let cases = [
             ("set-retval", all & !features::SET_RETVAL, 1),
             ("netns-cookie", all & !features::NETNS_COOKIE, 1),
             (
-                "sk-storage",
-                all & !features::SK_STORAGE & !features::SOCKMAP,
-                2,
+                "callbacks-at-connect",
+                all & !features::CALLBACKS_AT_CONNECT,
+                1,
             ),
             ("sock-destroy", all, 1),
             ("sockmap", all & !features::SOCKMAP, 1),
@@ -198,8 +197,30 @@ mod tests {
             assert_eq!(features.bits(), bits, "{off}");
             assert_eq!(features.degradations().len(), degradations, "{off}");
         }
-        let none = Features::ALL.without("set-retval, netns-cookie,sk-storage,sock-destroy");
+        let none = Features::ALL
+            .without("set-retval, netns-cookie,callbacks-at-connect,sock-destroy,sockmap");
         assert_eq!(none.bits(), 0);
         assert_eq!(none.degradations().len(), 5);
+    }
+}
+
+#[cfg(test)]
+mod release_tests {
+    use super::kernel_release_at_least;
+
+    #[test]
+    fn kernel_releases_compare_by_major_and_minor() {
+        let cases = [
+            ("6.18.44-fc-v1147", true),
+            ("6.12.0", true),
+            ("6.11.9-300.fc41.x86_64", false),
+            ("5.15.0-91-generic", false),
+            ("7.0.1", true),
+            ("garbage", false),
+            ("", false),
+        ];
+        for (release, want) in cases {
+            assert_eq!(kernel_release_at_least(release, (6, 12)), want, "{release}");
+        }
     }
 }

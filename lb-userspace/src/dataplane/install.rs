@@ -28,8 +28,7 @@ use aya::{Ebpf, maps::Map};
 use lb_common::names;
 
 use super::{
-    Attachment, BpfLogLevel, BpfMaps, CgroupTarget, KernelError, PinPaths, StoreError,
-    features::Features, migrate, object, sys,
+    Attachment, BpfMaps, CgroupTarget, KernelError, PinPaths, StoreError, migrate, object, sys,
 };
 
 /// Test-only: SIGKILL this process right after its N-th pin (or unpin), to
@@ -62,6 +61,8 @@ pub struct Running {
     pub upgraded: bool,
     /// The maps this install keeps pinned.
     pub pinned: Vec<&'static str>,
+    /// Sockets the socket table holds.
+    pub socket_table_size: u32,
     /// What was found on the links and done about it, for the log.
     pub notes: Vec<String>,
 }
@@ -94,22 +95,25 @@ fn check_links_serve(paths: &PinPaths, cgroup: &CgroupTarget) -> Result<(), Kern
 pub fn bring_up(
     paths: &PinPaths,
     cgroup: CgroupTarget,
-    log_level: BpfLogLevel,
-    features: &Features,
+    options: object::LoadOptions<'_>,
     prepare: impl FnOnce(&mut BpfMaps) -> Result<(), StoreError>,
 ) -> Result<Running, KernelError> {
     check_links_serve(paths, &cgroup)?;
     let old = if migrate::old_layout_present(paths) {
         Some(migrate::read_old(paths)?)
     } else {
-        if features.sk_storage {
-            migrate::drop_empty_legacy(paths);
-        }
+        migrate::drop_empty_legacy(paths);
         None
     };
+    migrate::drop_unused_storage(paths);
     let adopted = paths.map(names::SERVICES).exists() || old.is_some();
-    let pinned = object::pinned_maps(paths, features);
-    let object::Loaded { mut ebpf, unpinned } = object::load(paths, log_level, features)?;
+    let pinned = object::pinned_maps(paths);
+    let object::Loaded {
+        mut ebpf,
+        unpinned,
+        socket_table_size,
+        notes: load_notes,
+    } = object::load(paths, options)?;
     for name in unpinned {
         let path = paths.map(name);
         let map = ebpf.map(name).ok_or(KernelError::MissingMap(name))?;
@@ -122,19 +126,23 @@ pub fn bring_up(
         migrate::carry_over(old, &mut maps, paths)?;
     }
     prepare(&mut maps)?;
+    // The new connect programs look up only VIPs whose port bit is set;
+    // an older daemon set none.
+    maps.mark_every_vip_port()?;
     // Before sock_ops can add a socket to the sockhash: a socket takes the
     // sk_msg program the map has when it joins.
     attach_sk_msg(&ebpf, &maps, paths)?;
-    let sockets_id = maps
-        .fd(names::SOCKETS)
-        .ok_or(KernelError::MissingMap(names::SOCKETS))
+    let table_id = maps
+        .fd(names::SOCKET_TABLE)
+        .ok_or(KernelError::MissingMap(names::SOCKET_TABLE))
         .and_then(|fd| {
             sys::map_id(fd).map_err(|source| KernelError::Io {
-                path: paths.map(names::SOCKETS),
+                path: paths.map(names::SOCKET_TABLE),
                 source,
             })
         })?;
-    let (attachment, mut notes) = Attachment::establish(paths, cgroup, &mut ebpf, sockets_id)?;
+    let (attachment, mut notes) = Attachment::establish(paths, cgroup, &mut ebpf, table_id)?;
+    notes.extend(load_notes);
     if let Some(old) = &old {
         let ids: Vec<u32> = old.backends.keys().copied().collect();
         migrate::hand_over_counts(paths, &ids)?;
@@ -151,6 +159,7 @@ pub fn bring_up(
         adopted,
         upgraded: old.is_some(),
         pinned,
+        socket_table_size,
         notes,
     })
 }
@@ -159,8 +168,7 @@ pub fn bring_up(
 /// sockhash; `None` when the kernel cannot say (querying a sockhash needs
 /// Linux 5.19).
 pub fn sk_msg_attached(running: &Running) -> Option<bool> {
-    let ours = object::program_fd(&running.ebpf, names::SKMSG).ok()?;
-    let id = sys::prog_info(ours.as_fd()).ok()?.id;
+    let id = running.ebpf.program(names::SKMSG)?.info().ok()?.id();
     let map = running.maps.fd(names::SOCKHASH)?;
     Some(sys::sk_msg_programs(map).ok()?.contains(&id))
 }

@@ -18,11 +18,19 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use aya::Ebpf;
+use aya::{Ebpf, programs::ProgramInfo};
 use aya_obj::generated::bpf_attach_type;
 use lb_common::{names, repair};
 
 use super::{KernelError, PinPaths, object, sys};
+
+/// What the kernel says of the program with this id (aya's
+/// `loaded_programs`, which needs CAP_SYS_ADMIN to open programs by id).
+pub fn program_by_id(id: u32) -> Option<ProgramInfo> {
+    aya::programs::loaded_programs()
+        .filter_map(Result::ok)
+        .find(|program| program.id() == id)
+}
 
 /// The kernel hook of each program.
 pub fn attach_type(program: &str) -> bpf_attach_type {
@@ -31,6 +39,7 @@ pub fn attach_type(program: &str) -> bpf_attach_type {
         names::CONNECT6 => bpf_attach_type::BPF_CGROUP_INET6_CONNECT,
         names::GETPEERNAME4 => bpf_attach_type::BPF_CGROUP_INET4_GETPEERNAME,
         names::GETPEERNAME6 => bpf_attach_type::BPF_CGROUP_INET6_GETPEERNAME,
+        names::RELEASE => bpf_attach_type::BPF_CGROUP_INET_SOCK_RELEASE,
         _ => bpf_attach_type::BPF_CGROUP_SOCK_OPS,
     }
 }
@@ -60,6 +69,11 @@ pub enum LinkProblem {
     CgroupRecreated { new_id: u64 },
     /// The link no longer attaches anywhere (detached, or defunct).
     Detached { program: &'static str },
+    /// The link attaches to another cgroup than socklb's.
+    AttachedElsewhere {
+        program: &'static str,
+        cgroup_id: u64,
+    },
     /// The cgroup's list of programs for the hook lacks ours.
     NotListed { program: &'static str },
     /// The link's pin is gone; the link itself lives on in the daemon.
@@ -73,7 +87,9 @@ impl LinkProblem {
     pub fn kind(&self) -> usize {
         match self {
             Self::CgroupGone | Self::CgroupRecreated { .. } => repair::CGROUP,
-            Self::Detached { .. } | Self::NotListed { .. } => repair::LINK,
+            Self::Detached { .. } | Self::AttachedElsewhere { .. } | Self::NotListed { .. } => {
+                repair::LINK
+            }
             Self::PinMissing { .. } | Self::PinReplaced { .. } => repair::LINK_PIN,
         }
     }
@@ -88,6 +104,10 @@ impl fmt::Display for LinkProblem {
                 "the attached cgroup was removed and created again (new id {new_id})"
             ),
             Self::Detached { program } => write!(f, "the link of {program} was detached"),
+            Self::AttachedElsewhere { program, cgroup_id } => write!(
+                f,
+                "the link of {program} was moved to cgroup id {cgroup_id}"
+            ),
             Self::NotListed { program } => {
                 write!(f, "the cgroup no longer lists {program} on its hook")
             }
@@ -96,6 +116,93 @@ impl fmt::Display for LinkProblem {
                 write!(f, "something else was pinned in place of {program}'s link")
             }
         }
+    }
+}
+
+/// Where the links to check come from.
+pub enum LinkSource<'a> {
+    /// The descriptors the daemon holds: a link whose pin is gone is still
+    /// seen, and its pin is checked to be this link.
+    Held(&'a BTreeMap<&'static str, OwnedFd>),
+    /// The pins alone (`status`, with or without a daemon).
+    Pins,
+}
+
+/// Compares the links with the kernel: the cgroup at its path (when it is
+/// known; a cgroup gone or created again is the only problem said), each
+/// link's target, the cgroup's program lists, and the pins. The daemon's
+/// verification and `status` both ask this.
+pub fn check_links(
+    paths: &PinPaths,
+    cgroup_path: Option<&Path>,
+    cgroup_id: u64,
+    source: LinkSource<'_>,
+) -> Vec<LinkProblem> {
+    if let Some(path) = cgroup_path {
+        match CgroupTarget::current_id(path) {
+            None => return vec![LinkProblem::CgroupGone],
+            Some(id) if id != cgroup_id => {
+                return vec![LinkProblem::CgroupRecreated { new_id: id }];
+            }
+            Some(_) => {}
+        }
+    }
+    let cgroup_file = cgroup_path.and_then(|path| File::open(path).ok());
+    names::PROGRAMS
+        .into_iter()
+        .filter_map(|program| {
+            let pinned = pinned_link(&paths.link(program));
+            let (fd, held) = match (&source, &pinned) {
+                (LinkSource::Held(links), _) => (links.get(program)?.as_fd(), true),
+                (LinkSource::Pins, Some((fd, _))) => (fd.as_fd(), false),
+                (LinkSource::Pins, None) => return Some(LinkProblem::PinMissing { program }),
+            };
+            let problem = link_problem(program, fd, cgroup_id, cgroup_file.as_ref());
+            problem.or_else(|| {
+                held.then(|| pin_problem(program, fd, pinned.as_ref()))
+                    .flatten()
+            })
+        })
+        .collect()
+}
+
+/// What is wrong with one link itself: its target and the cgroup's list.
+fn link_problem(
+    program: &'static str,
+    fd: std::os::fd::BorrowedFd<'_>,
+    cgroup_id: u64,
+    cgroup: Option<&File>,
+) -> Option<LinkProblem> {
+    let Ok(info) = sys::link_info(fd) else {
+        return Some(LinkProblem::Detached { program });
+    };
+    if info.cgroup_id == 0 {
+        return Some(LinkProblem::Detached { program });
+    }
+    if info.cgroup_id != cgroup_id {
+        return Some(LinkProblem::AttachedElsewhere {
+            program,
+            cgroup_id: info.cgroup_id,
+        });
+    }
+    let listed = cgroup.is_none_or(|file| {
+        sys::attached_programs(file.as_fd(), attach_type(program))
+            .map_or(true, |ids| ids.contains(&info.prog_id))
+    });
+    (!listed).then_some(LinkProblem::NotListed { program })
+}
+
+/// Whether the link the daemon holds is the one pinned.
+fn pin_problem(
+    program: &'static str,
+    held: std::os::fd::BorrowedFd<'_>,
+    pinned: Option<&(OwnedFd, sys::LinkInfo)>,
+) -> Option<LinkProblem> {
+    let held_id = sys::link_info(held).ok()?.id;
+    match pinned {
+        None => Some(LinkProblem::PinMissing { program }),
+        Some((_, info)) if info.id != held_id => Some(LinkProblem::PinReplaced { program }),
+        Some(_) => None,
     }
 }
 
@@ -175,7 +282,7 @@ impl Attachment {
     /// this load's program with BPF_LINK_UPDATE, atomically (an upgrade
     /// when the program differs, which is noted). Attaches and pins a new
     /// link where none is pinned, or the pinned one is detached or
-    /// defunct. `map_id` is the id of this install's socket storage map.
+    /// defunct. `map_id` is the id of this install's socket table.
     pub fn establish(
         paths: &PinPaths,
         cgroup: CgroupTarget,
@@ -206,16 +313,22 @@ impl Attachment {
                 continue;
             };
             let ours = object::program_fd(ebpf, program)?;
-            let our_tag = sys::prog_info(ours.as_fd()).map(|info| info.tag).ok();
+            let our_tag = ebpf
+                .program(program)
+                .and_then(|loaded| loaded.info().ok())
+                .map(|info| info.tag());
             // Without CAP_SYS_ADMIN the program behind the link cannot be
             // read.
-            let current = sys::prog_fd_by_id(info.prog_id)
-                .and_then(|fd| sys::prog_info(fd.as_fd()))
-                .ok();
+            let current = program_by_id(info.prog_id);
             // Unknown (no CAP_SYS_ADMIN) counts as the same: a note on
             // every restart of the DaemonSet would be a false alarm.
             let same = current.as_ref().is_none_or(|current| {
-                Some(current.tag) == our_tag && current.map_ids.contains(&map_id)
+                Some(current.tag()) == our_tag
+                    && current
+                        .map_ids()
+                        .ok()
+                        .flatten()
+                        .is_some_and(|ids| ids.contains(&map_id))
             });
             // Always this load's program, even when the instructions are the
             // same: its read-only globals (log level, kernel features) are
@@ -240,44 +353,15 @@ impl Attachment {
         &self.cgroup
     }
 
-    /// Compares the links with the kernel: the cgroup at the path, each
-    /// link's target, the cgroup's program lists, and the pins.
+    /// Compares the links with the kernel (see [`check_links`]), through
+    /// the descriptors the daemon holds.
     pub fn check(&self) -> Vec<LinkProblem> {
-        let mut problems = Vec::new();
-        match CgroupTarget::current_id(&self.cgroup.path) {
-            None => return vec![LinkProblem::CgroupGone],
-            Some(id) if id != self.cgroup.id => {
-                return vec![LinkProblem::CgroupRecreated { new_id: id }];
-            }
-            Some(_) => {}
-        }
-        let cgroup_file = File::open(&self.cgroup.path).ok();
-        for (program, fd) in &self.links {
-            let Ok(info) = sys::link_info(fd.as_fd()) else {
-                problems.push(LinkProblem::Detached { program });
-                continue;
-            };
-            if info.cgroup_id != self.cgroup.id {
-                problems.push(LinkProblem::Detached { program });
-                continue;
-            }
-            let listed = cgroup_file.as_ref().is_none_or(|file| {
-                sys::attached_programs(file.as_fd(), attach_type(program))
-                    .map_or(true, |ids| ids.contains(&info.prog_id))
-            });
-            if !listed {
-                problems.push(LinkProblem::NotListed { program });
-                continue;
-            }
-            match pinned_link(&self.paths.link(program)) {
-                None => problems.push(LinkProblem::PinMissing { program }),
-                Some((_, pinned)) if pinned.id != info.id => {
-                    problems.push(LinkProblem::PinReplaced { program })
-                }
-                Some(_) => {}
-            }
-        }
-        problems
+        check_links(
+            &self.paths,
+            Some(&self.cgroup.path),
+            self.cgroup.id,
+            LinkSource::Held(&self.links),
+        )
     }
 
     /// Repairs what `check` found. Returns a line for each repair made;
@@ -305,7 +389,9 @@ impl Attachment {
                         ),
                     ));
                 }
-                LinkProblem::Detached { program } | LinkProblem::NotListed { program } => {
+                LinkProblem::Detached { program }
+                | LinkProblem::AttachedElsewhere { program, .. }
+                | LinkProblem::NotListed { program } => {
                     let cgroup_file = open_cgroup(&self.cgroup)?;
                     self.replace_link(ebpf, program, &cgroup_file)?;
                     done.push((

@@ -12,6 +12,12 @@
 //! kept while sockets redirected before the upgrade live: the new
 //! getpeername and sock_ops programs read it for them.
 //!
+//! An install of the socket-storage layout (`lb_sockets_v1`, the layout
+//! before the socket table) needs no migration of its maps: the new
+//! programs file new sockets in the socket table, and read the storage of
+//! the sockets it redirected while any of them lives
+//! ([`drop_unused_storage`]).
+//!
 //! The live connection counts move last: after every link runs the new
 //! programs, the old program can no longer change its counters, and each
 //! final count is added to the new one. Only a connection that opens or
@@ -175,4 +181,28 @@ pub fn drop_empty_legacy(paths: &PinPaths) -> bool {
         return false;
     };
     map.keys().next().is_none() && std::fs::remove_file(path).is_ok()
+}
+
+/// Unpins the previous layout's socket storage when no socket of this
+/// network namespace holds a record in it; returns whether it did. It is
+/// kept while a pinned table redirects other namespaces too (the dump
+/// cannot see their sockets), and when the dump fails.
+pub fn drop_unused_storage(paths: &PinPaths) -> bool {
+    let path = paths.map(names::SOCKETS);
+    let Ok(storage) = super::sys::open_pinned(&path) else {
+        return false;
+    };
+    let other_namespaces = typed::<BpfHashMap<MapData, u32, TableInfo>>(paths, names::TABLES)
+        .map(|tables| {
+            tables
+                .iter()
+                .filter_map(Result::ok)
+                .any(|(_, info)| info.flags & lb_common::SERVICE_FLAG_ALL_NETNS != 0)
+        })
+        .unwrap_or(true);
+    if other_namespaces {
+        return false;
+    }
+    let in_use = crate::sockets::sockets_with_storage(std::os::fd::AsFd::as_fd(&storage));
+    matches!(in_use, Ok(0)) && std::fs::remove_file(path).is_ok()
 }

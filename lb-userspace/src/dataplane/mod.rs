@@ -16,6 +16,7 @@ pub mod migrate;
 pub mod object;
 pub mod pins;
 pub mod shadow;
+pub mod socket_table;
 pub mod store;
 pub mod sys;
 pub mod tables;
@@ -26,7 +27,7 @@ pub use install::{Removal, Running, bring_up, open_pinned, remove_pins};
 pub use links::{Attachment, CgroupTarget, LinkProblem};
 pub use object::BpfLogLevel;
 pub use pins::{DEFAULT_PIN_PATH, PinPaths};
-pub use store::{BpfMaps, MapStore, MemoryMaps, StoreError};
+pub use store::{BpfMaps, MapStore, MemoryMaps, SocketTableUse, StoreError};
 pub use tables::{BackendHealth, Desired, Drift, TableIntent, Writer};
 
 /// What can go wrong with the kernel side. Each message names the object;

@@ -14,7 +14,7 @@ use aya::{
     maps::MapInfo,
     programs::{CgroupAttachMode, Program, ProgramError, links::FdLink},
 };
-use lb_common::names;
+use lb_common::{features, names};
 
 use super::{KernelError, PinPaths, features::Features};
 
@@ -24,7 +24,7 @@ pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DI
 /// Log level of the kernel programs, fixed when they are loaded. `Off`
 /// keeps logging out of the connect path entirely: the verifier removes the
 /// dead branches.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BpfLogLevel {
     Off,
     Error,
@@ -34,6 +34,15 @@ pub enum BpfLogLevel {
 }
 
 impl BpfLogLevel {
+    /// Every level, by the name the command line takes.
+    pub const ALL: [(&'static str, Self); 5] = [
+        ("off", Self::Off),
+        ("error", Self::Error),
+        ("warn", Self::Warn),
+        ("info", Self::Info),
+        ("debug", Self::Debug),
+    ];
+
     fn as_u8(self) -> u8 {
         match self {
             Self::Off => 0,
@@ -45,11 +54,41 @@ impl BpfLogLevel {
     }
 }
 
+impl std::str::FromStr for BpfLogLevel {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, Self::Err> {
+        Self::ALL
+            .iter()
+            .find(|(name, _)| *name == text)
+            .map(|(_, level)| *level)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Self::ALL.iter().map(|(name, _)| *name).collect();
+                format!("{text:?} is not one of {}", names.join(", "))
+            })
+    }
+}
+
 /// The programs of one load, ready to attach, and the maps it created that
 /// are not pinned yet.
 pub struct Loaded {
     pub ebpf: Ebpf,
     pub unpinned: Vec<&'static str>,
+    /// The socket table's size in this load.
+    pub socket_table_size: u32,
+    /// What the load decided that an operator should know.
+    pub notes: Vec<String>,
+}
+
+/// What a load needs besides the pins: the kernel's features, the log
+/// level and the configured socket table size.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadOptions<'a> {
+    pub log_level: BpfLogLevel,
+    pub features: &'a Features,
+    /// `socket-table-size`: used when the table is created; a pinned table
+    /// keeps the size it was made with.
+    pub socket_table_size: u32,
 }
 
 /// The SHA-256 of the embedded object: which programs an install runs.
@@ -60,27 +99,63 @@ pub fn object_sha256() -> [u8; 32] {
     sha
 }
 
-/// The maps this load pins: socklb's own, and the legacy per-socket map
-/// when it is in use (a kernel without socket storage in sock_addr, or one
-/// that an upgrade left with sockets in it).
-pub fn pinned_maps(paths: &PinPaths, features: &Features) -> Vec<&'static str> {
+/// The maps this load pins: socklb's own, and the older layouts'
+/// per-socket maps while an upgrade from one left them pinned (sockets it
+/// redirected may still live).
+pub fn pinned_maps(paths: &PinPaths) -> Vec<&'static str> {
     let mut maps = names::MAPS.to_vec();
-    if !features.sk_storage || paths.map(names::LEGACY_REDIRECTS).exists() {
-        maps.push(names::LEGACY_REDIRECTS);
+    for legacy in [names::LEGACY_REDIRECTS, names::SOCKETS] {
+        if paths.map(legacy).exists() {
+            maps.push(legacy);
+        }
     }
     maps
 }
 
-/// A pinned map that does not match the object's definition.
+/// The `SOCKLB_FEATURES` bits of the legacy readers this install needs.
+fn legacy_bits(paths: &PinPaths) -> u32 {
+    let mut bits = 0;
+    if paths.map(names::SOCKETS).exists() {
+        bits |= features::LEGACY_STORAGE;
+    }
+    if paths.map(names::LEGACY_REDIRECTS).exists() {
+        bits |= features::LEGACY_LRU;
+    }
+    bits
+}
+
+/// The socket table's size: the pinned table's, which holds live sockets'
+/// records and cannot grow, or else the configured one; with a note when
+/// they differ.
+fn socket_table_size(paths: &PinPaths, configured: u32) -> (u32, Option<String>) {
+    let Ok(pinned) = MapInfo::from_pin(paths.map(names::SOCKET_TABLE)) else {
+        return (configured, None);
+    };
+    let size = pinned.max_entries();
+    let note = (size != configured).then(|| {
+        format!(
+            "socket-table-size is {configured}, but the pinned socket table holds {size} sockets and keeps that size (it holds the records of open connections); the new size applies after `socklb uninstall`"
+        )
+    });
+    (size, note)
+}
+
+/// A pinned map that does not match the object's definition (the socket
+/// table's size is the install's, not the object's).
 fn layout_problem(paths: &PinPaths, name: &str, object: &aya_obj::Object) -> Option<String> {
     let wanted = object.maps.get(name)?;
     let found = MapInfo::from_pin(paths.map(name)).ok()?;
     let found_type = found.map_type().map_or(u32::MAX, |kind| kind as u32);
+    let wanted_entries = if name == names::SOCKET_TABLE {
+        found.max_entries()
+    } else {
+        wanted.max_entries()
+    };
     let pairs = [
         ("type", found_type, wanted.map_type()),
         ("key size", found.key_size(), wanted.key_size()),
         ("value size", found.value_size(), wanted.value_size()),
-        ("max entries", found.max_entries(), wanted.max_entries()),
+        ("max entries", found.max_entries(), wanted_entries),
         ("flags", found.map_flags(), wanted.map_flags()),
     ];
     let differences: Vec<String> = pairs
@@ -94,18 +169,14 @@ fn layout_problem(paths: &PinPaths, name: &str, object: &aya_obj::Object) -> Opt
 /// Loads every program against the pinned maps (creating the missing ones,
 /// unpinned), after checking that each pinned map has the layout this
 /// object expects.
-pub fn load(
-    paths: &PinPaths,
-    log_level: BpfLogLevel,
-    features: &Features,
-) -> Result<Loaded, KernelError> {
+pub fn load(paths: &PinPaths, options: LoadOptions<'_>) -> Result<Loaded, KernelError> {
     if EBPF_OBJECT.is_empty() {
         return Err(KernelError::NoObject);
     }
     let object = aya_obj::Object::parse(EBPF_OBJECT).map_err(|error| KernelError::Object {
         problem: error.to_string(),
     })?;
-    let shared = pinned_maps(paths, features);
+    let shared = pinned_maps(paths);
     for &name in &shared {
         if let Some(problem) = layout_problem(paths, name, &object) {
             return Err(KernelError::Layout {
@@ -119,13 +190,15 @@ pub fn load(
         .copied()
         .filter(|name| paths.map(name).exists())
         .collect();
-    let level = log_level.as_u8();
-    let bits = features.bits();
+    let level = options.log_level.as_u8();
+    let bits = options.features.bits() | legacy_bits(paths);
+    let (socket_table_size, note) = socket_table_size(paths, options.socket_table_size);
     let mut loader = EbpfLoader::new();
     loader.override_global("AYA_LOG_LEVEL", &level, false);
     loader.override_global(names::globals::FEATURES, &bits, true);
+    loader.map_max_entries(names::SOCKET_TABLE, socket_table_size);
     if !shared.contains(&names::LEGACY_REDIRECTS) {
-        // Nothing uses the legacy map on this install: one entry, unpinned.
+        // Nothing reads the legacy map on this install: one entry, unpinned.
         loader.map_max_entries(names::LEGACY_REDIRECTS, 1);
     }
     let pin_paths: Vec<(&'static str, std::path::PathBuf)> =
@@ -134,21 +207,28 @@ pub fn load(
         loader.map_pin_path(name, path.as_path());
     }
     let mut ebpf = loader.load(EBPF_OBJECT)?;
-    for name in names::PROGRAMS.into_iter().chain([names::SKMSG]) {
+    for name in names::PROGRAMS.into_iter().chain(names::UNATTACHED) {
         load_program(&mut ebpf, name)?;
     }
     let unpinned = shared
         .into_iter()
         .filter(|name| !pinned.contains(name) && ebpf.map(name).is_some())
         .collect();
-    Ok(Loaded { ebpf, unpinned })
+    Ok(Loaded {
+        ebpf,
+        unpinned,
+        socket_table_size,
+        notes: note.into_iter().collect(),
+    })
 }
 
 fn load_program(ebpf: &mut Ebpf, name: &'static str) -> Result<(), KernelError> {
     let result = match ebpf.program_mut(name) {
         Some(Program::CgroupSockAddr(program)) => program.load(),
+        Some(Program::CgroupSock(program)) => program.load(),
         Some(Program::SockOps(program)) => program.load(),
         Some(Program::SkMsg(program)) => program.load(),
+        Some(Program::Xdp(program)) => program.load(),
         _ => Err(ProgramError::UnexpectedProgramType),
     };
     result.map_err(|source| KernelError::Program { name, source })
@@ -159,8 +239,10 @@ pub fn program_fd(ebpf: &Ebpf, name: &'static str) -> Result<std::os::fd::OwnedF
     let program_error = |source| KernelError::Program { name, source };
     let fd = match ebpf.program(name) {
         Some(Program::CgroupSockAddr(program)) => program.fd().map_err(program_error)?,
+        Some(Program::CgroupSock(program)) => program.fd().map_err(program_error)?,
         Some(Program::SockOps(program)) => program.fd().map_err(program_error)?,
         Some(Program::SkMsg(program)) => program.fd().map_err(program_error)?,
+        Some(Program::Xdp(program)) => program.fd().map_err(program_error)?,
         _ => return Err(program_error(ProgramError::UnexpectedProgramType)),
     };
     std::os::fd::AsFd::as_fd(fd)
@@ -175,7 +257,7 @@ pub fn program_fd(ebpf: &Ebpf, name: &'static str) -> Result<std::os::fd::OwnedF
 /// other programs run beside ours, and hands the link back for pinning.
 pub fn attach(ebpf: &mut Ebpf, name: &'static str, cgroup: &File) -> Result<FdLink, KernelError> {
     let program_error = |source| KernelError::Program { name, source };
-    // The two program types share the attach API but no trait for it.
+    // The program types share the attach API but no trait for it.
     macro_rules! attach_and_take_link {
         ($program:expr) => {{
             let id = $program
@@ -190,6 +272,7 @@ pub fn attach(ebpf: &mut Ebpf, name: &'static str, cgroup: &File) -> Result<FdLi
     }
     match ebpf.program_mut(name) {
         Some(Program::CgroupSockAddr(program)) => attach_and_take_link!(program),
+        Some(Program::CgroupSock(program)) => attach_and_take_link!(program),
         Some(Program::SockOps(program)) => attach_and_take_link!(program),
         _ => Err(program_error(ProgramError::UnexpectedProgramType)),
     }

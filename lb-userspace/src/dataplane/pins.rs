@@ -27,6 +27,11 @@ pub struct PinPaths {
     pub dir: PathBuf,
 }
 
+/// The file name of a program's link pin.
+pub fn link_file_name(program: &str) -> String {
+    format!("link_{program}")
+}
+
 impl PinPaths {
     pub fn new(dir: impl Into<PathBuf>) -> Self {
         Self { dir: dir.into() }
@@ -37,7 +42,7 @@ impl PinPaths {
     }
 
     pub fn link(&self, program: &str) -> PathBuf {
-        self.dir.join(format!("link_{program}"))
+        self.dir.join(link_file_name(program))
     }
 
     /// Where a new link is pinned before it is renamed over the old pin, so
@@ -58,12 +63,18 @@ impl PinPaths {
             .map(|program| (*program, self.link(program)))
     }
 
-    /// Every pin socklb may own here, links first (removing them detaches).
+    /// Every pin socklb may own here, links first (removing them detaches),
+    /// in the opposite order of attaching: the connect programs stop
+    /// redirecting before the programs that follow sockets go.
     pub fn all(&self) -> Vec<PathBuf> {
         let staging = names::PROGRAMS
             .iter()
+            .rev()
             .map(|program| self.link_staging(program));
-        let links = self.links().map(|(_, path)| path);
+        let links = names::PROGRAMS
+            .iter()
+            .rev()
+            .map(|program| self.link(program));
         let maps = self.maps().map(|(_, path)| path);
         // Maps of the first layout, which an upgrade cut short may leave.
         let legacy = lb_common::names::v0::MAPS
@@ -73,7 +84,10 @@ impl PinPaths {
         staging
             .chain(links)
             .chain(maps)
-            .chain([self.map(lb_common::names::LEGACY_REDIRECTS)])
+            .chain([
+                self.map(lb_common::names::LEGACY_REDIRECTS),
+                self.map(lb_common::names::SOCKETS),
+            ])
             .chain(legacy)
             .collect()
     }
@@ -210,12 +224,12 @@ mod tests {
     fn link_and_map_paths() {
         let paths = PinPaths::new("/sys/fs/bpf/socklb");
         assert_eq!(
-            paths.link("socklb_connect4"),
+            paths.link(names::CONNECT4),
             PathBuf::from("/sys/fs/bpf/socklb/link_socklb_connect4")
         );
         assert_eq!(
-            paths.map("SLOTS"),
-            PathBuf::from("/sys/fs/bpf/socklb/SLOTS")
+            paths.map(names::SLOTS),
+            PathBuf::from("/sys/fs/bpf/socklb/lb_slots_v1")
         );
         let all = paths.all();
         let first_map = all

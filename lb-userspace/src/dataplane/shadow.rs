@@ -5,18 +5,22 @@
 //! other would show healthy backends and no redirects.
 
 use std::{
-    collections::HashSet,
+    collections::{HashMap, HashSet},
     fmt,
     net::SocketAddr,
     os::{fd::AsFd, unix::fs::MetadataExt},
     path::{Path, PathBuf},
 };
 
+use aya::{
+    maps::MapInfo,
+    programs::{ProgramInfo, links::LinkType},
+};
 use aya_obj::generated::bpf_attach_type;
 use lb_common::{Endpoint, ServiceEntry, names};
 
 use super::{CgroupTarget, PinPaths, sys};
-use crate::planner::socket_addr;
+use crate::convert::socket_addr;
 
 /// Where a related cgroup sits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -117,10 +121,11 @@ fn pinned_connect_links() -> Vec<(PathBuf, PathBuf)> {
                 }
                 continue;
             }
-            let is_connect_link = entry
-                .file_name()
-                .to_str()
-                .is_some_and(|name| name.starts_with("link_socklb_connect"));
+            let is_connect_link = entry.file_name().to_str().is_some_and(|name| {
+                [names::CONNECT4, names::CONNECT6]
+                    .iter()
+                    .any(|program| name == super::pins::link_file_name(program))
+            });
             if is_connect_link {
                 found.push((dir.clone(), path));
             }
@@ -139,22 +144,19 @@ fn pin_dir_of_link(link_id: u32) -> Option<PathBuf> {
     })
 }
 
-/// The VIPs in the SERVICES map of the program with this id.
-fn vips_of_program(program_id: u32) -> Vec<Endpoint> {
-    let Ok(info) = sys::prog_fd_by_id(program_id).and_then(|fd| sys::prog_info(fd.as_fd())) else {
-        return Vec::new();
-    };
-    for map_id in info.map_ids {
-        let Ok(fd) = sys::map_fd_by_id(map_id) else {
+/// The VIPs in the SERVICES map of a program.
+fn vips_of_program(program: &ProgramInfo) -> Vec<Endpoint> {
+    let map_ids = program.map_ids().ok().flatten().unwrap_or_default();
+    for map_id in map_ids {
+        let Ok(map) = MapInfo::from_id(map_id) else {
             continue;
         };
-        let is_services = aya::maps::MapInfo::from_id(map_id)
-            .ok()
-            .and_then(|map| map.name_as_str().map(|name| name == names::SERVICES))
-            .unwrap_or(false);
-        if !is_services {
+        if map.name_as_str() != Some(names::SERVICES) {
             continue;
         }
+        let Ok(fd) = map.fd() else {
+            continue;
+        };
         return sys::lookup_batch::<Endpoint, ServiceEntry>(fd.as_fd(), None, 4096)
             .map(|entries| entries.into_iter().map(|(vip, _)| vip).collect())
             .unwrap_or_default();
@@ -178,31 +180,45 @@ fn links_by_id(own: &HashSet<u32>) -> std::io::Result<Vec<ConnectLink>> {
         bpf_attach_type::BPF_CGROUP_INET4_CONNECT as u32,
         bpf_attach_type::BPF_CGROUP_INET6_CONNECT as u32,
     ];
+    // Every program once, by id: the links name theirs.
+    let programs: HashMap<u32, ProgramInfo> = aya::programs::loaded_programs()
+        .filter_map(Result::ok)
+        .map(|program| (program.id(), program))
+        .collect();
     let mut links = Vec::new();
-    for link_id in sys::link_ids()? {
-        if own.contains(&link_id) {
+    for link in aya::programs::loaded_links() {
+        // The syscall's own error, so that EPERM (no CAP_SYS_ADMIN) reaches
+        // `overlapping`, which then looks through the pins instead.
+        let link = link.map_err(|error| match error {
+            aya::programs::links::LinkError::SyscallError(aya::sys::SyscallError {
+                io_error,
+                ..
+            }) => io_error,
+            other => std::io::Error::other(other),
+        })?;
+        if own.contains(&link.id()) || !matches!(link.link_type(), Ok(LinkType::Cgroup)) {
             continue;
         }
-        let Ok(info) = sys::link_fd_by_id(link_id).and_then(|fd| sys::link_info(fd.as_fd())) else {
+        // aya's link info lacks the cgroup link's target.
+        let Ok(info) = sys::link_fd_by_id(link.id()).and_then(|fd| sys::link_info(fd.as_fd()))
+        else {
             continue;
         };
-        if info.link_type != sys::LINK_TYPE_CGROUP
-            || info.cgroup_id == 0
-            || !connect_hooks.contains(&info.attach_type)
-        {
+        if info.cgroup_id == 0 || !connect_hooks.contains(&info.attach_type) {
             continue;
         }
-        let is_socklb = sys::prog_fd_by_id(info.prog_id)
-            .and_then(|fd| sys::prog_info(fd.as_fd()))
-            .is_ok_and(|prog| prog.name == names::CONNECT4 || prog.name == names::CONNECT6);
-        if !is_socklb {
+        let Some(program) = programs.get(&info.prog_id).filter(|program| {
+            program
+                .name_as_str()
+                .is_some_and(|name| name == names::CONNECT4 || name == names::CONNECT6)
+        }) else {
             continue;
-        }
+        };
         links.push(ConnectLink {
-            id: link_id,
+            id: info.id,
             cgroup_id: info.cgroup_id,
             pin_dir: None,
-            vips: vips_of_program(info.prog_id),
+            vips: vips_of_program(program),
         });
     }
     Ok(links)

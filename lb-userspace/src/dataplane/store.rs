@@ -9,9 +9,10 @@ use std::{
 
 use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, MapError, PerCpuArray, PerCpuValues};
 use lb_common::{
-    BackendConns, BackendInfo, BackendSlot, BackendStats, DaemonRecord, Endpoint,
+    BackendConns, BackendInfo, BackendSlot, BackendStats, DaemonRecord, Endpoint, Liveness,
     MAX_ACCEL_SOCKETS, MAX_BACKENDS, MAX_DRAINS, MAX_SLOTS, MAX_TABLES, MAX_VIPS, ServiceEntry,
-    Settings, SockKey, SocketRecord, TableInfo, TableStats, names,
+    Settings, SockKey, SocketRecord, SocketTableStats, TableInfo, TableStats, TrackedSocket, names,
+    vip_port_bit,
 };
 
 use super::sys;
@@ -50,6 +51,9 @@ pub trait MapStore {
     fn services(&self) -> Result<Vec<(Endpoint, ServiceEntry)>, StoreError>;
     fn put_service(&mut self, vip: &Endpoint, entry: &ServiceEntry) -> Result<(), StoreError>;
     fn delete_service(&mut self, vip: &Endpoint) -> Result<(), StoreError>;
+    /// Whether a port's bit is set in `VIP_PORTS` (true for an install
+    /// without the map, whose programs do not read it).
+    fn vip_port_marked(&self, port_be: u16) -> Result<bool, StoreError>;
     /// `count` slots from index `first` of `SLOTS`.
     fn slots(&self, first: u32, count: u32) -> Result<Vec<BackendSlot>, StoreError>;
     fn put_slots(&mut self, first: u32, slots: &[BackendSlot]) -> Result<(), StoreError>;
@@ -77,25 +81,83 @@ pub trait MapStore {
     fn reset_backend_counters(&mut self, id: u32) -> Result<(), StoreError>;
     /// Zeroes a table's "none healthy" counters (a reused id).
     fn reset_table_counters(&mut self, id: u32) -> Result<(), StoreError>;
-    /// What sock_ops counted for one backend; `live` clamped at zero.
-    fn connections(&self, id: u32) -> BackendConns;
+    /// What sock_ops counted for one backend; `live` clamped at zero. A
+    /// read that fails is an error, never zeros: a busy id read as idle
+    /// would be given to another backend.
+    fn connections(&self, id: u32) -> Result<BackendConns, StoreError>;
     /// Redirects of one backend, summed over CPUs.
     fn redirects(&self, id: u32) -> u64;
     /// "None healthy" counters of one table, summed over CPUs.
     fn table_stats(&self, id: u32) -> TableStats;
-    /// Whether the legacy map says socklb sent the socket with this cookie
-    /// to `backend` (a socket redirected before an upgrade, or on a kernel
-    /// without socket storage in sock_addr).
-    fn legacy_redirected_to(&self, cookie: u64, backend: &Endpoint) -> bool;
+    /// Whether socklb sent the socket with this cookie to `backend`, by its
+    /// record in the socket table or, for a socket the first layout
+    /// redirected before an upgrade, in its LRU. (A socket redirected by
+    /// the socket-storage layout carries its record itself: sock_diag
+    /// reads it.)
+    fn redirected_to(&self, cookie: u64, backend: &Endpoint) -> bool;
+    /// Writes the daemon's heartbeat as the connect programs read it.
+    fn put_liveness(&mut self, liveness: &Liveness) -> Result<(), StoreError>;
+    /// The heartbeat as the connect programs read it (status: whether a
+    /// table is handed back now).
+    fn liveness(&self) -> Result<Liveness, StoreError>;
+    /// Every record of the socket table, with its socket cookie.
+    fn tracked_sockets(&self) -> Result<Vec<(u64, TrackedSocket)>, StoreError>;
+    /// Removes one record of the socket table (the sweep's, for a socket
+    /// that is gone). True if it was there.
+    fn forget_socket(&mut self, cookie: u64) -> Result<bool, StoreError>;
+    /// The socket table's size, use and memory.
+    fn socket_table(&self) -> Result<SocketTableUse, StoreError>;
+}
+
+/// Whether the socket table, or else the first layout's LRU, says socklb
+/// sent the socket with this cookie to `backend`.
+pub fn redirected_by_cookie(
+    table: Option<&BpfHashMap<MapData, u64, TrackedSocket>>,
+    legacy: Option<&BpfHashMap<MapData, u64, SocketRecord>>,
+    cookie: u64,
+    backend: &Endpoint,
+) -> bool {
+    let in_table = table.is_some_and(|map| {
+        map.get(&cookie, 0)
+            .is_ok_and(|tracked| tracked.record.backend == *backend)
+    });
+    in_table
+        || legacy.is_some_and(|map| {
+            map.get(&cookie, 0)
+                .is_ok_and(|record| record.backend == *backend)
+        })
+}
+
+/// The socket table as status shows it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SocketTableUse {
+    /// Sockets it can hold (`socket-table-size`, fixed when it was made).
+    pub capacity: u32,
+    /// Sockets it holds now.
+    pub tracked: u64,
+    /// Kernel memory it takes, all of it allocated when it was made.
+    pub memory_bytes: u64,
+    /// Connects redirected without a record since install (table full).
+    pub untracked: u64,
 }
 
 /// The pinned (or freshly loaded) maps, typed, with a duplicate descriptor
 /// of each for batch reads and for pinning it again.
 pub struct BpfMaps {
+    /// The ports some VIP uses, one bit each (absent in an install of an
+    /// older socklb, whose programs do not read it, and which `status`
+    /// may read).
+    vip_ports: Option<Array<MapData, u64>>,
     services: BpfHashMap<MapData, Endpoint, ServiceEntry>,
     slots: Array<MapData, BackendSlot>,
     /// The legacy per-socket LRU, when this install has one.
     legacy: Option<BpfHashMap<MapData, u64, SocketRecord>>,
+    /// The socket table and its counter, and the heartbeat the connect
+    /// programs read (absent in an install of an older socklb, which
+    /// `status` may read).
+    socket_table: Option<BpfHashMap<MapData, u64, TrackedSocket>>,
+    socket_table_stats: Option<PerCpuArray<MapData, SocketTableStats>>,
+    liveness: Option<Array<MapData, Liveness>>,
     backends: BpfHashMap<MapData, u32, BackendInfo>,
     tables: BpfHashMap<MapData, u32, TableInfo>,
     backend_stats: PerCpuArray<MapData, BackendStats>,
@@ -149,9 +211,13 @@ impl BpfMaps {
             };
         }
         let maps = Self {
+            vip_ports: None,
             services: typed!(names::SERVICES),
             slots: typed!(names::SLOTS),
             legacy: None,
+            socket_table: None,
+            socket_table_stats: None,
+            liveness: None,
             backends: typed!(names::BACKENDS),
             tables: typed!(names::TABLES),
             backend_stats: typed!(names::BACKEND_STATS),
@@ -168,8 +234,21 @@ impl BpfMaps {
         // them again if need be. An install of an older socklb may lack
         // AYA_LOGS.
         take(names::CONNECT_FAILURES)?;
-        take(names::SOCKETS)?;
         let _ = take(names::AYA_LOGS);
+        // Pinned only while sockets of an upgraded install need it.
+        let _ = take(names::SOCKETS);
+        let socket_table = take(names::SOCKET_TABLE)
+            .ok()
+            .and_then(|map| map.try_into().ok());
+        let socket_table_stats = take(names::SOCKET_TABLE_STATS)
+            .ok()
+            .and_then(|map| map.try_into().ok());
+        let liveness = take(names::LIVENESS)
+            .ok()
+            .and_then(|map| map.try_into().ok());
+        let vip_ports = take(names::VIP_PORTS)
+            .ok()
+            .and_then(|map| map.try_into().ok());
         // Absent from an install of a socklb before acceleration.
         let _ = take(names::SOCKHASH);
         let _ = take(names::ACCEL_PENDING);
@@ -180,10 +259,39 @@ impl BpfMaps {
             .and_then(|map| map.try_into().ok());
         Ok(Self {
             fds,
+            vip_ports,
             legacy,
             accel,
+            socket_table,
+            socket_table_stats,
+            liveness,
             ..maps
         })
+    }
+
+    /// Sets or clears the bit of one port in `VIP_PORTS`, if this install
+    /// has the map. Only the daemon writes it.
+    fn mark_vip_port(&mut self, port_be: u16, used: bool) -> Result<(), StoreError> {
+        let Some(ports) = self.vip_ports.as_mut() else {
+            return Ok(());
+        };
+        let (word, mask) = vip_port_bit(port_be);
+        let bits = ports.get(&word, 0).map_err(failed(names::VIP_PORTS))?;
+        let marked = if used { bits | mask } else { bits & !mask };
+        if marked == bits {
+            return Ok(());
+        }
+        ports.set(word, marked, 0).map_err(failed(names::VIP_PORTS))
+    }
+
+    /// Sets the port bit of every VIP in `SERVICES`: the loader's step
+    /// before it attaches programs that read `VIP_PORTS`, so that a VIP an
+    /// older socklb wrote (whose daemon kept no port bits) is not missed.
+    pub fn mark_every_vip_port(&mut self) -> Result<(), StoreError> {
+        for (vip, _) in self.services()? {
+            self.mark_vip_port(vip.port_be, true)?;
+        }
+        Ok(())
     }
 
     /// Opens the maps pinned under a directory.
@@ -231,13 +339,33 @@ impl MapStore for BpfMaps {
     }
 
     fn put_service(&mut self, vip: &Endpoint, entry: &ServiceEntry) -> Result<(), StoreError> {
+        // The port first: a VIP whose port bit is clear is never looked up.
+        self.mark_vip_port(vip.port_be, true)?;
         self.services
             .insert(vip, entry, 0)
             .map_err(failed(names::SERVICES))
     }
 
     fn delete_service(&mut self, vip: &Endpoint) -> Result<(), StoreError> {
-        absent_is_ok(self.services.remove(vip)).map_err(failed(names::SERVICES))
+        absent_is_ok(self.services.remove(vip)).map_err(failed(names::SERVICES))?;
+        // The port's bit goes after the last VIP on it.
+        let port_in_use = self
+            .services()?
+            .iter()
+            .any(|(other, _)| other.port_be == vip.port_be);
+        if port_in_use {
+            return Ok(());
+        }
+        self.mark_vip_port(vip.port_be, false)
+    }
+
+    fn vip_port_marked(&self, port_be: u16) -> Result<bool, StoreError> {
+        let Some(ports) = self.vip_ports.as_ref() else {
+            return Ok(true);
+        };
+        let (word, mask) = vip_port_bit(port_be);
+        let bits = ports.get(&word, 0).map_err(failed(names::VIP_PORTS))?;
+        Ok(bits & mask != 0)
     }
 
     fn slots(&self, first: u32, count: u32) -> Result<Vec<BackendSlot>, StoreError> {
@@ -383,10 +511,13 @@ impl MapStore for BpfMaps {
             .map_err(failed(names::TABLE_STATS))
     }
 
-    fn connections(&self, id: u32) -> BackendConns {
-        let mut conns = self.backend_conns.get(&id, 0).unwrap_or_default();
+    fn connections(&self, id: u32) -> Result<BackendConns, StoreError> {
+        let mut conns = self
+            .backend_conns
+            .get(&id, 0)
+            .map_err(failed(names::BACKEND_CONNS))?;
         conns.live = conns.live.max(0);
-        conns
+        Ok(conns)
     }
 
     fn redirects(&self, id: u32) -> u64 {
@@ -410,11 +541,84 @@ impl MapStore for BpfMaps {
             .unwrap_or_default()
     }
 
-    fn legacy_redirected_to(&self, cookie: u64, backend: &Endpoint) -> bool {
-        self.legacy.as_ref().is_some_and(|map| {
-            map.get(&cookie, 0)
-                .is_ok_and(|record| record.backend == *backend)
+    fn redirected_to(&self, cookie: u64, backend: &Endpoint) -> bool {
+        redirected_by_cookie(
+            self.socket_table.as_ref(),
+            self.legacy.as_ref(),
+            cookie,
+            backend,
+        )
+    }
+
+    fn put_liveness(&mut self, liveness: &Liveness) -> Result<(), StoreError> {
+        let map = self
+            .liveness
+            .as_mut()
+            .ok_or_else(|| StoreError::new(names::LIVENESS, "not open"))?;
+        map.set(0, liveness, 0).map_err(failed(names::LIVENESS))
+    }
+
+    fn liveness(&self) -> Result<Liveness, StoreError> {
+        let map = self
+            .liveness
+            .as_ref()
+            .ok_or_else(|| StoreError::new(names::LIVENESS, "not open"))?;
+        map.get(&0, 0).map_err(failed(names::LIVENESS))
+    }
+
+    fn tracked_sockets(&self) -> Result<Vec<(u64, TrackedSocket)>, StoreError> {
+        let capacity = self.socket_table_capacity()?;
+        self.dump(names::SOCKET_TABLE, capacity)
+    }
+
+    fn forget_socket(&mut self, cookie: u64) -> Result<bool, StoreError> {
+        let map = self
+            .socket_table
+            .as_mut()
+            .ok_or_else(|| StoreError::new(names::SOCKET_TABLE, "not open"))?;
+        match map.remove(&cookie) {
+            Ok(()) => Ok(true),
+            Err(MapError::KeyNotFound) => Ok(false),
+            Err(error) => Err(StoreError::new(names::SOCKET_TABLE, error)),
+        }
+    }
+
+    fn socket_table(&self) -> Result<SocketTableUse, StoreError> {
+        let info = self.socket_table_info()?;
+        let tracked = self.tracked_sockets()?.len() as u64;
+        Ok(SocketTableUse {
+            capacity: info.max_entries,
+            tracked,
+            memory_bytes: info.memlock,
+            untracked: self.untracked(),
         })
+    }
+}
+
+impl BpfMaps {
+    fn socket_table_info(&self) -> Result<super::socket_table::MapFdInfo, StoreError> {
+        let fd = self
+            .fd(names::SOCKET_TABLE)
+            .ok_or_else(|| StoreError::new(names::SOCKET_TABLE, "not open"))?;
+        super::socket_table::map_fdinfo(fd).map_err(failed(names::SOCKET_TABLE))
+    }
+
+    fn socket_table_capacity(&self) -> Result<u32, StoreError> {
+        Ok(self.socket_table_info()?.max_entries)
+    }
+
+    /// Connects redirected untracked since install, summed over CPUs.
+    fn untracked(&self) -> u64 {
+        self.socket_table_stats
+            .as_ref()
+            .and_then(|stats| stats.get(&0, 0).ok())
+            .map_or(0, |values| values.iter().map(|stats| stats.untracked).sum())
+    }
+
+    /// The socket table's capacity and untracked count, without reading
+    /// its records (cheap enough for every turn of the loop).
+    pub fn socket_table_untracked(&self) -> Result<(u32, u64), StoreError> {
+        Ok((self.socket_table_capacity()?, self.untracked()))
     }
 }
 
@@ -424,6 +628,8 @@ impl MapStore for BpfMaps {
 #[derive(Debug, Clone, Default)]
 pub struct MemoryMaps {
     pub services: BTreeMap<Endpoint, ServiceEntry>,
+    /// The ports whose bit is set in `VIP_PORTS`.
+    pub vip_ports: BTreeSet<u16>,
     pub slots: BTreeMap<u32, BackendSlot>,
     pub backends: BTreeMap<u32, BackendInfo>,
     pub tables: BTreeMap<u32, TableInfo>,
@@ -435,6 +641,12 @@ pub struct MemoryMaps {
     pub redirect_counts: BTreeMap<u32, u64>,
     pub table_counts: BTreeMap<u32, TableStats>,
     pub redirected: BTreeMap<u64, Endpoint>,
+    /// Backends whose connection counts cannot be read.
+    pub unreadable_conns: BTreeSet<u32>,
+    pub liveness: Liveness,
+    /// The socket table, and its capacity and untracked count.
+    pub tracked: BTreeMap<u64, TrackedSocket>,
+    pub socket_table: SocketTableUse,
     /// Writes still to fail, whatever the map.
     pub failing_writes: u32,
     /// Writes done (successful ones), for tests that count them.
@@ -459,6 +671,7 @@ impl MapStore for MemoryMaps {
 
     fn put_service(&mut self, vip: &Endpoint, entry: &ServiceEntry) -> Result<(), StoreError> {
         self.write(names::SERVICES)?;
+        self.vip_ports.insert(vip.port_be);
         self.services.insert(*vip, *entry);
         Ok(())
     }
@@ -466,7 +679,18 @@ impl MapStore for MemoryMaps {
     fn delete_service(&mut self, vip: &Endpoint) -> Result<(), StoreError> {
         self.write(names::SERVICES)?;
         self.services.remove(vip);
+        if !self
+            .services
+            .keys()
+            .any(|other| other.port_be == vip.port_be)
+        {
+            self.vip_ports.remove(&vip.port_be);
+        }
         Ok(())
+    }
+
+    fn vip_port_marked(&self, port_be: u16) -> Result<bool, StoreError> {
+        Ok(self.vip_ports.contains(&port_be))
     }
 
     fn slots(&self, first: u32, count: u32) -> Result<Vec<BackendSlot>, StoreError> {
@@ -584,8 +808,11 @@ impl MapStore for MemoryMaps {
         Ok(())
     }
 
-    fn connections(&self, id: u32) -> BackendConns {
-        self.conns.get(&id).copied().unwrap_or_default()
+    fn connections(&self, id: u32) -> Result<BackendConns, StoreError> {
+        if self.unreadable_conns.contains(&id) {
+            return Err(StoreError::new(names::BACKEND_CONNS, "injected failure"));
+        }
+        Ok(self.conns.get(&id).copied().unwrap_or_default())
     }
 
     fn redirects(&self, id: u32) -> u64 {
@@ -596,7 +823,37 @@ impl MapStore for MemoryMaps {
         self.table_counts.get(&id).copied().unwrap_or_default()
     }
 
-    fn legacy_redirected_to(&self, cookie: u64, backend: &Endpoint) -> bool {
+    fn redirected_to(&self, cookie: u64, backend: &Endpoint) -> bool {
         self.redirected.get(&cookie) == Some(backend)
+            || self
+                .tracked
+                .get(&cookie)
+                .is_some_and(|tracked| tracked.record.backend == *backend)
+    }
+
+    fn put_liveness(&mut self, liveness: &Liveness) -> Result<(), StoreError> {
+        self.write(names::LIVENESS)?;
+        self.liveness = *liveness;
+        Ok(())
+    }
+
+    fn liveness(&self) -> Result<Liveness, StoreError> {
+        Ok(self.liveness)
+    }
+
+    fn tracked_sockets(&self) -> Result<Vec<(u64, TrackedSocket)>, StoreError> {
+        Ok(self.tracked.iter().map(|(k, v)| (*k, *v)).collect())
+    }
+
+    fn forget_socket(&mut self, cookie: u64) -> Result<bool, StoreError> {
+        self.write(names::SOCKET_TABLE)?;
+        Ok(self.tracked.remove(&cookie).is_some())
+    }
+
+    fn socket_table(&self) -> Result<SocketTableUse, StoreError> {
+        Ok(SocketTableUse {
+            tracked: self.tracked.len() as u64,
+            ..self.socket_table
+        })
     }
 }

@@ -1,7 +1,12 @@
-//! The few bpf(2) commands that aya does not expose: a cgroup link's
-//! target, a program's maps and name, the programs attached to a cgroup,
-//! object fds by id, batch lookups, and a program attached to a sockhash
-//! that outlives the daemon. Each is a thin, safe wrapper around
+//! The few bpf(2) commands that aya 0.14 does not expose: a cgroup link's
+//! target (and a link by id, to read it), the programs attached to a
+//! cgroup or a sockhash (PROG_QUERY), batch lookups, the keys of a map
+//! whose values cannot be read, swapping a link's program (LINK_UPDATE),
+//! a program attached to a sockhash that outlives the daemon, and one
+//! test run of a program; plus pinning and opening a pin by descriptor,
+//! which the cgroup target needs. Programs and maps by id, and the links
+//! of the host, come from aya (`loaded_programs`, `MapInfo::from_id`,
+//! `loaded_links`). Each is a thin, safe wrapper around
 //! one syscall with a `#[repr(C)]` attribute struct of the kernel's stable
 //! ABI; the kernel accepts an attribute shorter than its own and zeroes the
 //! rest.
@@ -12,7 +17,7 @@ use std::{
     os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd},
 };
 
-use aya_obj::generated::{bpf_attach_type, bpf_cmd};
+use aya_obj::generated::{bpf_attach_type, bpf_cmd, bpf_map_type};
 
 /// `bpf_link_info::type` of a cgroup link.
 pub const LINK_TYPE_CGROUP: u32 = 3;
@@ -33,6 +38,31 @@ fn bpf<T>(command: bpf_cmd, attr: &mut T) -> io::Result<i64> {
         return Err(io::Error::last_os_error());
     }
     Ok(result)
+}
+
+/// `bpf_attr` of BPF_MAP_CREATE, up to `max_entries`.
+#[repr(C)]
+struct MapCreateAttr {
+    map_type: u32,
+    key_size: u32,
+    value_size: u32,
+    max_entries: u32,
+}
+
+/// Creates, then closes, a one-entry array map: whether bpf(2) itself gets
+/// through. A seccomp filter or a security module can refuse it (EPERM) to
+/// a process that holds CAP_BPF, and the kernel's feature probes would then
+/// read as an old kernel.
+pub fn try_map_create() -> io::Result<()> {
+    let mut attr = MapCreateAttr {
+        map_type: bpf_map_type::BPF_MAP_TYPE_ARRAY as u32,
+        key_size: 4,
+        value_size: 4,
+        max_entries: 1,
+    };
+    let fd = bpf(bpf_cmd::BPF_MAP_CREATE, &mut attr)?;
+    drop(owned_fd(fd));
+    Ok(())
 }
 
 fn owned_fd(raw: i64) -> OwnedFd {
@@ -95,59 +125,6 @@ pub fn link_info(fd: BorrowedFd<'_>) -> io::Result<LinkInfo> {
     })
 }
 
-/// The head of `struct bpf_prog_info`, up to and including `name`.
-#[repr(C)]
-#[derive(Default)]
-struct RawProgInfo {
-    prog_type: u32,
-    id: u32,
-    tag: [u8; 8],
-    jited_prog_len: u32,
-    xlated_prog_len: u32,
-    jited_prog_insns: u64,
-    xlated_prog_insns: u64,
-    load_time: u64,
-    created_by_uid: u32,
-    nr_map_ids: u32,
-    map_ids: u64,
-    name: [u8; 16],
-}
-
-/// What the kernel says of a program.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ProgInfo {
-    pub id: u32,
-    /// The name, as the kernel keeps it (at most 15 bytes).
-    pub name: String,
-    /// Hash of the program's instructions.
-    pub tag: [u8; 8],
-    pub map_ids: Vec<u32>,
-}
-
-pub fn prog_info(fd: BorrowedFd<'_>) -> io::Result<ProgInfo> {
-    // First ask how many maps it uses, then fetch their ids.
-    let mut raw = RawProgInfo::default();
-    object_info(fd, &mut raw)?;
-    let mut map_ids = vec![0u32; raw.nr_map_ids as usize];
-    if !map_ids.is_empty() {
-        let count = raw.nr_map_ids;
-        raw = RawProgInfo {
-            nr_map_ids: count,
-            map_ids: map_ids.as_mut_ptr() as u64,
-            ..RawProgInfo::default()
-        };
-        object_info(fd, &mut raw)?;
-        map_ids.truncate(raw.nr_map_ids.min(count) as usize);
-    }
-    let end = raw.name.iter().position(|&byte| byte == 0).unwrap_or(16);
-    Ok(ProgInfo {
-        id: raw.id,
-        name: String::from_utf8_lossy(&raw.name[..end]).into_owned(),
-        tag: raw.tag,
-        map_ids,
-    })
-}
-
 #[repr(C)]
 struct IdAttr {
     id: u32,
@@ -164,39 +141,8 @@ fn fd_by_id(command: bpf_cmd, id: u32) -> io::Result<OwnedFd> {
     bpf(command, &mut attr).map(owned_fd)
 }
 
-pub fn prog_fd_by_id(id: u32) -> io::Result<OwnedFd> {
-    fd_by_id(bpf_cmd::BPF_PROG_GET_FD_BY_ID, id)
-}
-
-pub fn map_fd_by_id(id: u32) -> io::Result<OwnedFd> {
-    fd_by_id(bpf_cmd::BPF_MAP_GET_FD_BY_ID, id)
-}
-
 pub fn link_fd_by_id(id: u32) -> io::Result<OwnedFd> {
     fd_by_id(bpf_cmd::BPF_LINK_GET_FD_BY_ID, id)
-}
-
-/// Every link id of the system, in order. Needs CAP_SYS_ADMIN.
-pub fn link_ids() -> io::Result<Vec<u32>> {
-    let mut ids = Vec::new();
-    let mut start = 0;
-    // Ids are finite; the bound only guards against a kernel bug.
-    for _ in 0..1_000_000 {
-        let mut attr = IdAttr {
-            id: start,
-            next_id: 0,
-            open_flags: 0,
-        };
-        match bpf(bpf_cmd::BPF_LINK_GET_NEXT_ID, &mut attr) {
-            Ok(_) => {
-                ids.push(attr.next_id);
-                start = attr.next_id;
-            }
-            Err(error) if error.raw_os_error() == Some(libc::ENOENT) => return Ok(ids),
-            Err(error) => return Err(error),
-        }
-    }
-    Ok(ids)
 }
 
 #[repr(C)]
@@ -413,4 +359,32 @@ pub fn link_update(link: BorrowedFd<'_>, program: BorrowedFd<'_>) -> io::Result<
         old_prog_fd: 0,
     };
     bpf(bpf_cmd::BPF_LINK_UPDATE, &mut attr).map(drop)
+}
+
+#[repr(C)]
+#[derive(Default)]
+struct TestRunAttr {
+    prog_fd: u32,
+    retval: u32,
+    data_size_in: u32,
+    data_size_out: u32,
+    data_in: u64,
+    data_out: u64,
+    repeat: u32,
+    duration: u32,
+}
+
+/// Runs a program once on `data` (BPF_PROG_TEST_RUN) and returns what it
+/// returned: how the daemon asks a program of its own for an atomic
+/// update of a map the kernel's programs update too.
+pub fn prog_test_run(program: BorrowedFd<'_>, data: &[u8]) -> io::Result<u32> {
+    let mut attr = TestRunAttr {
+        prog_fd: program.as_raw_fd() as u32,
+        data_size_in: data.len() as u32,
+        data_in: data.as_ptr() as u64,
+        repeat: 1,
+        ..TestRunAttr::default()
+    };
+    bpf(bpf_cmd::BPF_PROG_TEST_RUN, &mut attr)?;
+    Ok(attr.retval)
 }

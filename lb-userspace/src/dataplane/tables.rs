@@ -15,12 +15,15 @@ use std::{
 };
 
 use lb_common::{
-    BackendInfo, BackendSlot, Endpoint, NAME_LEN, ROLE_NORMAL, ROLE_PREFERRED, ROLE_STANDBY,
+    BackendInfo, BackendSlot, Endpoint, Liveness, ROLE_NORMAL, ROLE_PREFERRED, ROLE_STANDBY,
     SERVICE_FLAG_ACCELERATE, SLOTS_PER_LIST, ServiceEntry, Settings, TableInfo, bank_base, repair,
 };
 
 use super::store::{MapStore, StoreError};
-use crate::planner::{Layout, TableContents, Tier, endpoint, socket_addr};
+use crate::{
+    convert::{endpoint, nul_padded, nul_terminated, socket_addr},
+    planner::{Layout, TableContents, Tier},
+};
 
 /// One selection table as the daemon wants it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -128,14 +131,29 @@ impl Desired {
     }
 }
 
+/// The heartbeat the connect programs read: now, and each table's
+/// patience (`daemon-gone-after` of a service that hands back; 0 keeps
+/// redirecting).
+pub fn liveness(layout: &Layout, heartbeat_ns: u64) -> Liveness {
+    let mut liveness = Liveness {
+        heartbeat_ns,
+        ..Liveness::default()
+    };
+    for table in &layout.tables {
+        if let (Some(after), Some(slot)) = (
+            table.hand_back_after,
+            liveness.gone_after_ns.get_mut(table.table_id as usize),
+        ) {
+            *slot = u64::try_from(after.as_nanos()).unwrap_or(u64::MAX);
+        }
+    }
+    liveness
+}
+
 /// A table record: the service name (NUL padded) and policy.
 pub fn table_info(service: &str, flags: u32, family: u8) -> TableInfo {
-    let mut name = [0u8; NAME_LEN];
-    let bytes = service.as_bytes();
-    let length = bytes.len().min(NAME_LEN - 1);
-    name[..length].copy_from_slice(&bytes[..length]);
     TableInfo {
-        name,
+        name: nul_padded(service.as_bytes()),
         flags,
         family,
         _pad: [0; 3],
@@ -144,12 +162,7 @@ pub fn table_info(service: &str, flags: u32, family: u8) -> TableInfo {
 
 /// The service name stored in a table record.
 pub fn table_name(info: &TableInfo) -> String {
-    let end = info
-        .name
-        .iter()
-        .position(|&byte| byte == 0)
-        .unwrap_or(NAME_LEN);
-    String::from_utf8_lossy(&info.name[..end]).into_owned()
+    nul_terminated(&info.name)
 }
 
 /// What the writer believes the maps hold: what it wrote, or on adoption
@@ -174,6 +187,11 @@ pub enum Drift {
     Service {
         vip: Endpoint,
         found: Option<ServiceEntry>,
+    },
+    /// The bit of a VIP's port in `VIP_PORTS` is clear: the connect
+    /// programs would not look the VIP up.
+    VipPort {
+        vip: Endpoint,
     },
     /// A VIP entry socklb never wrote: it would redirect an address that is
     /// no VIP of ours.
@@ -201,7 +219,9 @@ impl Drift {
     pub fn kind(&self) -> usize {
         match self {
             Self::Settings => repair::SETTINGS,
-            Self::Service { .. } | Self::StrangeService { .. } => repair::SERVICES,
+            Self::Service { .. } | Self::VipPort { .. } | Self::StrangeService { .. } => {
+                repair::SERVICES
+            }
             Self::Slots { .. } => repair::SLOTS,
             Self::TableRecord { .. } => repair::TABLES,
             Self::BackendRecord { .. } => repair::BACKENDS,
@@ -232,6 +252,11 @@ impl fmt::Display for Drift {
                 found.bank_base,
                 found.healthy_slots,
                 found.all_slots
+            ),
+            Self::VipPort { vip } => write!(
+                f,
+                "the port of VIP {} was cleared in lb_vports_v1 (its connects were not redirected)",
+                show(vip)
             ),
             Self::StrangeService { vip } => write!(
                 f,
@@ -549,6 +574,9 @@ impl Writer {
                     found: now.copied(),
                 }),
             }
+            if !store.vip_port_marked(vip.port_be)? {
+                drifts.push(Drift::VipPort { vip: *vip });
+            }
         }
         for vip in found.keys() {
             if !self.written.services.contains_key(vip) {
@@ -601,7 +629,8 @@ impl Writer {
                         store.put_settings(&settings)?;
                     }
                 }
-                Drift::Service { vip, .. } => {
+                // put_service sets the port's bit before the entry.
+                Drift::Service { vip, .. } | Drift::VipPort { vip } => {
                     if let Some(entry) = self.written.services.get(vip) {
                         store.put_service(vip, entry)?;
                     }

@@ -194,10 +194,16 @@ impl ServiceSources {
     /// alike (`same_source` says which), for a reloaded configuration.
     pub fn carry_over(&mut self, previous: &Self, same_source: impl Fn(Source) -> bool) {
         for source in &self.dynamic {
-            if same_source(*source)
-                && let Some(set) = previous.known.get(source)
-            {
+            if !same_source(*source) {
+                continue;
+            }
+            if let Some(set) = previous.known.get(source) {
                 self.known.insert(*source, set.clone());
+            }
+            // Its watcher is kept, and so is the episode it is in: a
+            // failure said before the reload is not said again after it.
+            if previous.troubled.contains(source) {
+                self.troubled.insert(*source);
             }
         }
         self.persisted.clone_from(&previous.persisted);
@@ -354,7 +360,13 @@ pub fn effective_config(
             ..service.clone()
         });
     }
-    (Config { services }, waiting)
+    (
+        Config {
+            services,
+            socket_table_size: base.socket_table_size,
+        },
+        waiting,
+    )
 }
 
 /// The backends of `service` for a discovered `set`: those of an address

@@ -162,6 +162,31 @@ fn reload_carries_over_what_unchanged_sources_said() {
 }
 
 #[test]
+fn a_failure_said_before_a_reload_is_not_said_again_after_it() {
+    let base = config(r#"endpointslices = "default/kubernetes""#);
+    let mut old = ServiceSources::new(&base.services[0]);
+    old.report(Source::EndpointSlices, Report::Set(set(&["10.0.0.1:6443"])));
+    let said = old.report(
+        Source::EndpointSlices,
+        Report::Failed("a watch event".into()),
+    );
+    assert!(said.problem.is_some());
+    // The watcher is kept across the reload, so its next failure (the
+    // relist's) belongs to the same episode.
+    let mut kept = ServiceSources::new(&base.services[0]);
+    kept.carry_over(&old, |_| true);
+    let relist = kept.report(Source::EndpointSlices, Report::Failed("a list".into()));
+    assert_eq!(relist, Outcome::default(), "said once per episode");
+    let back = kept.report(Source::EndpointSlices, Report::Set(set(&["10.0.0.1:6443"])));
+    assert!(back.recovered.is_some(), "and its end is said");
+    // A source whose spec changed has a new watcher: a new episode.
+    let mut changed = ServiceSources::new(&base.services[0]);
+    changed.carry_over(&old, |_| false);
+    let fresh = changed.report(Source::EndpointSlices, Report::Failed("a list".into()));
+    assert!(fresh.problem.is_some());
+}
+
+#[test]
 fn change_lines() {
     let base = config(r#"backends = ["10.0.0.1:6443", "10.0.0.2:6443"]"#);
     let other = config(r#"backends = ["10.0.0.2:6443", "10.0.0.3:6443"]"#);

@@ -5,23 +5,60 @@
 //! after `rise` successes or `fall` failures in a row, and reports each
 //! change exactly once. Probe kinds live in [`probe`].
 
-use std::{net::SocketAddr, time::Duration};
+use std::{
+    net::SocketAddr,
+    sync::{Arc, atomic::Ordering},
+    time::Duration,
+};
 
 use rand::Rng;
 use tokio::{
-    sync::{mpsc, watch},
+    sync::{Notify, mpsc, watch},
     time,
 };
 
 pub mod probe;
 
-use crate::config::HealthSettings;
 pub use probe::ProbeFailure;
-use probe::Prober;
+use probe::{ProbeSpec, Prober};
 
 /// Share of the interval by which each wait is randomly moved, so that the
 /// probes of many nodes do not beat in step against one server.
 pub const JITTER: f64 = 0.2;
+
+/// Active health-check settings of one service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HealthSettings {
+    /// What a probe does.
+    pub probe: ProbeSpec,
+    pub interval: Duration,
+    /// Interval while a backend is down (HAProxy's `downinter`), and while
+    /// a healthy one fails its probes, if shorter than `interval`.
+    pub down_interval: Duration,
+    pub timeout: Duration,
+    /// Consecutive successes that make a down backend healthy.
+    pub rise: u32,
+    /// Consecutive failures that make an up backend unhealthy.
+    pub fall: u32,
+    /// Failed connects in a row, seen by the kernel with evidence from the
+    /// server side, that start a confirming probe at once (which decides);
+    /// 0 turns the passive signal off.
+    pub connect_failures: u32,
+}
+
+impl Default for HealthSettings {
+    fn default() -> Self {
+        Self {
+            probe: ProbeSpec::Tcp,
+            interval: Duration::from_secs(1),
+            down_interval: Duration::from_secs(1),
+            timeout: Duration::from_secs(1),
+            rise: 2,
+            fall: 3,
+            connect_failures: 1,
+        }
+    }
+}
 
 /// A change of a backend's state, with the reason.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -109,22 +146,10 @@ impl HealthTracker {
         self.settled
     }
 
-    /// Takes a healthy backend out at once, for a reason seen outside the
-    /// probes (the kernel's failed connects). It comes back only after
-    /// `rise` passed probes. Returns the transition, if it was healthy.
-    pub fn mark_down(&mut self, reason: String, count: u32) -> Option<Transition> {
-        if !self.healthy {
-            return None;
-        }
-        self.healthy = false;
-        self.settled = true;
-        self.streak = 0;
-        Some(Transition {
-            healthy: false,
-            reason,
-            streak: count,
-            needed: count,
-        })
+    /// Healthy, with a failure streak under way: its last probe failed.
+    /// Not a better place for connections than a failed backend.
+    pub fn is_failing(&self) -> bool {
+        self.healthy && self.settled && self.streak > 0
     }
 
     /// Feeds one probe outcome; returns the transition if the state changed.
@@ -190,63 +215,129 @@ pub struct ProbeReport {
     pub outcome: Result<(), ProbeFailure>,
     /// How long the probe took.
     pub took: Duration,
-    /// Run to confirm failed connects the kernel saw, not on the schedule.
-    pub confirming: bool,
+    /// Run before its time because the kernel reported failed connects.
+    /// It counts like any other probe: only `fall` failures in a row take
+    /// the backend out.
+    pub hurried: bool,
 }
 
-/// Probes one backend until the receiver is gone, reporting each outcome.
-/// The first probe runs after a short random delay. While the owner marks
-/// the backend down (`down`), probes run every `down_interval` instead
-/// (HAProxy's `downinter`). The owner updates `down` without waking the
-/// loop, which reads it after each probe; a notified change ends the
-/// current wait.
-pub async fn probe_loop(
-    backend_id: u32,
-    loop_id: u64,
-    addr: SocketAddr,
-    prober: Prober,
-    settings: HealthSettings,
-    mut down: watch::Receiver<bool>,
-    reports: mpsc::Sender<ProbeReport>,
-) {
-    let first_delay = settings
-        .interval
-        .mul_f64(rand::rng().random_range(0.0..JITTER));
-    time::sleep(first_delay).await;
-    loop {
-        // Probes start every interval, however long each takes (the next
-        // starts at once when one took longer), so that a backend that
-        // times out is judged within fall × max(interval, timeout) after
-        // its first failing probe starts.
-        let started = time::Instant::now();
-        let outcome = prober.probe(addr, settings.timeout).await;
-        if reports
-            .send(ProbeReport {
-                backend_id,
-                loop_id,
+/// One backend's probe loop: what it probes, and how.
+pub struct ProbeLoop {
+    pub backend_id: u32,
+    /// Which loop this is (see [`ProbeReport::loop_id`]).
+    pub loop_id: u64,
+    pub addr: SocketAddr,
+    pub prober: Prober,
+    pub settings: HealthSettings,
+}
+
+/// What the owner tells a probe loop, without waiting for it.
+pub struct LoopControl {
+    /// The owner marks the backend down: probes come every
+    /// `down_interval` instead (HAProxy's `downinter`). The owner updates
+    /// it without waking the loop, which reads it after each probe; a
+    /// notified change ends the current wait. The loop ends when the
+    /// sender is dropped.
+    pub down: watch::Receiver<bool>,
+    /// Probe now rather than at the next interval, unless the last probe
+    /// failed: a streak toward `fall` keeps its pace. The owner rate-limits
+    /// it; one request that comes during a probe starts the next probe as
+    /// soon as that one ends.
+    pub hurry: Arc<Notify>,
+    /// The kernel saw the backend reset connects: set by the owner,
+    /// cleared by the loop when a probe passes. A reset comes from the
+    /// server side and no local process can forge it; with it, a refused
+    /// probe is followed by the next within [`AFTER_REFUSED`].
+    pub resets_seen: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl ProbeLoop {
+    /// Probes the backend until the owner drops it, reporting each
+    /// outcome. The first probe runs after a short random delay.
+    pub async fn run(self, mut control: LoopControl, reports: mpsc::Sender<ProbeReport>) {
+        let first_delay = self
+            .settings
+            .interval
+            .mul_f64(rand::rng().random_range(0.0..JITTER));
+        let Some(mut hurried) = wait(first_delay, &mut control, true).await else {
+            return;
+        };
+        loop {
+            // Probes start every interval, however long each takes (the
+            // next starts at once when one took longer), so that a backend
+            // that times out is judged within fall × max(interval, timeout)
+            // after its first failing probe starts.
+            let started = time::Instant::now();
+            let outcome = self.prober.probe(self.addr, self.settings.timeout).await;
+            let report = ProbeReport {
+                backend_id: self.backend_id,
+                loop_id: self.loop_id,
                 outcome,
                 took: started.elapsed(),
-                confirming: false,
-            })
-            .await
-            .is_err()
-        {
-            return;
-        }
-        let base = if *down.borrow_and_update() {
-            settings.down_interval
-        } else {
-            settings.interval
-        };
-        let wait = jittered(base, &mut rand::rng()).saturating_sub(started.elapsed());
-        tokio::select! {
-            () = time::sleep(wait) => {}
-            changed = down.changed() => {
-                if changed.is_err() {
-                    return;
-                }
+                hurried,
+            };
+            let failed = report.outcome.is_err();
+            let resets_seen = if failed {
+                control.resets_seen.load(Ordering::Relaxed)
+            } else {
+                control.resets_seen.store(false, Ordering::Relaxed);
+                false
+            };
+            let down = *control.down.borrow_and_update();
+            let base = self.next_interval(down, &report.outcome, resets_seen);
+            if reports.send(report).await.is_err() {
+                return;
+            }
+            let left = jittered(base, &mut rand::rng()).saturating_sub(started.elapsed());
+            // A streak of failures runs at its own pace: a hurried probe may
+            // start one sooner, never make one reach `fall` sooner.
+            match wait(left, &mut control, !failed).await {
+                Some(next_hurried) => hurried = next_hurried,
+                None => return,
             }
         }
+    }
+}
+
+/// How soon a refused probe is followed by the next while the backend is
+/// still in, once the kernel saw the server reset connects: both say
+/// nothing listens, and neither can a local process forge, so a dead
+/// server leaves after `fall` refusals in a fraction of a second. A server
+/// that is only slow (timeouts), or whose refusals only the checker saw,
+/// keeps the checker's pace.
+pub const AFTER_REFUSED: Duration = Duration::from_millis(50);
+
+impl ProbeLoop {
+    /// The wait before the next probe: the down interval while the backend
+    /// is down (HAProxy's `downinter`), and also while a healthy backend
+    /// fails its probes if it is shorter (its streak toward `fall` then
+    /// ends sooner, one way or the other, as with HAProxy's `fastinter`),
+    /// at most [`AFTER_REFUSED`] after a refusal the kernel's resets
+    /// confirm; the interval otherwise.
+    fn next_interval(
+        &self,
+        down: bool,
+        last: &Result<(), ProbeFailure>,
+        resets_seen: bool,
+    ) -> Duration {
+        let settings = &self.settings;
+        let streak = settings.down_interval.min(settings.interval);
+        match (down, last) {
+            (true, _) => settings.down_interval,
+            (false, Err(ProbeFailure::Refused)) if resets_seen => streak.min(AFTER_REFUSED),
+            (false, Err(_)) => streak,
+            (false, Ok(())) => settings.interval,
+        }
+    }
+}
+
+/// Waits `duration`, or less if the owner asks (and `hurry` lets it):
+/// `Some(true)` when asked to hurry, `None` when the owner is gone.
+async fn wait(duration: Duration, control: &mut LoopControl, hurry: bool) -> Option<bool> {
+    tokio::select! {
+        () = time::sleep(duration) => Some(false),
+        () = control.hurry.notified(), if hurry => Some(true),
+        changed = control.down.changed() => changed.ok().map(|()| false),
     }
 }
 
@@ -316,22 +407,91 @@ mod tests {
     }
 
     #[test]
-    fn marked_down_comes_back_after_rise_passes() {
+    fn a_failure_streak_makes_a_healthy_backend_failing() {
         let mut tracker = HealthTracker::known(&settings(2, 3), true);
-        let transition = tracker
-            .mark_down("2 failed connects in a row".into(), 2)
-            .unwrap();
-        assert_eq!(
-            transition.message("127.0.0.3:8443".parse().unwrap()),
-            "127.0.0.3:8443 unhealthy: 2 failed connects in a row (2/2)"
+        assert!(!tracker.is_failing());
+        run(&mut tracker, &[false]);
+        assert!(tracker.is_healthy() && tracker.is_failing());
+        run(&mut tracker, &[true]);
+        assert!(!tracker.is_failing(), "a pass ends the streak");
+        run(&mut tracker, &[false, false, false]);
+        assert!(!tracker.is_healthy() && !tracker.is_failing());
+    }
+
+    #[test]
+    fn a_failure_streak_keeps_the_checkers_pace_and_a_refusal_is_followed_soon() {
+        let probe_loop = |interval_ms: u64, down_ms: u64| ProbeLoop {
+            backend_id: 0,
+            loop_id: 0,
+            addr: "127.0.0.1:1".parse().unwrap(),
+            prober: Prober::new(&ProbeSpec::Tcp).unwrap(),
+            settings: HealthSettings {
+                interval: Duration::from_millis(interval_ms),
+                down_interval: Duration::from_millis(down_ms),
+                ..HealthSettings::default()
+            },
+        };
+        let timed_out: Result<(), ProbeFailure> = Err(ProbeFailure::TimedOut(Duration::ZERO));
+        // (what, interval and down interval in ms, down, last outcome,
+        // resets seen by the kernel, wait in ms)
+        type Case = (
+            &'static str,
+            (u64, u64),
+            bool,
+            Result<(), ProbeFailure>,
+            bool,
+            u64,
         );
-        assert!(
-            tracker.mark_down("again".into(), 2).is_none(),
-            "logged once"
-        );
-        let (states, transitions) = run(&mut tracker, &[true, true]);
-        assert_eq!(states, [false, true]);
-        assert_eq!(transitions.len(), 1);
+        let cases: [Case; 6] = [
+            ("passing", (1000, 200), false, OK, false, 1000),
+            (
+                "a timeout: the down interval",
+                (1000, 200),
+                false,
+                timed_out.clone(),
+                true,
+                200,
+            ),
+            (
+                "a timeout, down interval longer",
+                (200, 1000),
+                false,
+                timed_out,
+                false,
+                200,
+            ),
+            (
+                "refused, resets seen: soon",
+                (1000, 1000),
+                false,
+                REFUSED,
+                true,
+                50,
+            ),
+            (
+                "refused alone: the checker's pace",
+                (1000, 1000),
+                false,
+                REFUSED,
+                false,
+                1000,
+            ),
+            (
+                "down: the down interval",
+                (1000, 200),
+                true,
+                REFUSED,
+                true,
+                200,
+            ),
+        ];
+        for (what, (interval, down_interval), down, last, resets, wait) in cases {
+            assert_eq!(
+                probe_loop(interval, down_interval).next_interval(down, &last, resets),
+                Duration::from_millis(wait),
+                "{what}"
+            );
+        }
     }
 
     #[test]

@@ -16,12 +16,9 @@
 //!
 //! `--nobody` drops to uid 65534 in `--hold` too (`--abort` always does),
 //! and `--send TEXT` writes TEXT on each connection once it is open (a
-//! client that starts a request and never finishes it).
-//!
-//! Usage: connclient (--abort | --hold) --addr ADDR:PORT [--cgroup DIR]
-//!                   [--count N] [--ttl T] [--abort-ms MS] [--hold-ms MS]
-//!                   [--until-stdin-closes] [--reconnect] [--nobody]
-//!                   [--send TEXT]
+//! client that starts a request and never finishes it). With
+//! `--send-every-ms` it writes one byte on each connection that often (a
+//! busy client, never idle).
 
 use std::{
     io::{ErrorKind, Read, Write},
@@ -32,92 +29,66 @@ use std::{
     time::{Duration, Instant},
 };
 
+use clap::{ArgGroup, Parser};
 use serde::Serialize;
+use socklb_tests::cli::{join_cgroup, millis};
 
+/// Raw connections through a VIP: `--abort` (a hostile user's aborted
+/// connects) or `--hold` (long-lived connections).
+#[derive(Debug, Parser)]
+#[command(name = "connclient", group(ArgGroup::new("mode").required(true).args(["abort", "hold"])))]
 struct Args {
+    /// Make COUNT connects as uid 65534, each closed ABORT_MS later.
+    #[arg(long)]
     abort: bool,
+    /// Open COUNT connections at once and keep them for HOLD_MS.
+    #[arg(long)]
+    hold: bool,
+    /// Where to connect (a VIP).
+    #[arg(long)]
     addr: SocketAddr,
+    /// A cgroup v2 directory to join first.
+    #[arg(long)]
     cgroup: Option<PathBuf>,
+    /// Connects (at most 19,000: the open-files limit of one process).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=19_000))]
     count: u32,
+    /// The IP TTL of `--abort`'s connects.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=255))]
     ttl: u32,
+    /// How long each `--abort` connect lives.
+    #[arg(long = "abort-ms", value_name = "MS", default_value = "50", value_parser = millis)]
     abort_after: Duration,
-    hold: Duration,
+    /// How long `--hold` keeps its connections.
+    #[arg(long = "hold-ms", value_name = "MS", default_value = "1000", value_parser = millis)]
+    hold_for: Duration,
     /// End the hold early when stdin closes.
+    #[arg(long)]
     until_stdin_closes: bool,
-    /// Open a connection that ends again.
+    /// Open a connection that ends again, at once (one retry).
+    #[arg(long)]
     reconnect: bool,
     /// Run as uid 65534 (always with `--abort`).
+    #[arg(long)]
     nobody: bool,
     /// Written on each connection once it is open.
+    #[arg(long, value_name = "TEXT")]
     send: Option<String>,
-}
-
-fn parse_args() -> Result<Args, String> {
-    let mut args = Args {
-        abort: false,
-        addr: "127.0.0.1:1".parse().expect("literal"),
-        cgroup: None,
-        count: 1,
-        ttl: 64,
-        abort_after: Duration::from_millis(50),
-        hold: Duration::from_secs(1),
-        until_stdin_closes: false,
-        reconnect: false,
-        nobody: false,
-        send: None,
-    };
-    let mut mode = None;
-    let mut words = std::env::args().skip(1);
-    while let Some(flag) = words.next() {
-        let mut value = || words.next().ok_or_else(|| format!("{flag} needs a value"));
-        let number = |text: String| {
-            text.parse::<u64>()
-                .map_err(|error| format!("{flag}: {error}"))
-        };
-        match flag.as_str() {
-            "--abort" => mode = Some(true),
-            "--hold" => mode = Some(false),
-            "--addr" => args.addr = value()?.parse().map_err(|e| format!("--addr: {e}"))?,
-            "--cgroup" => args.cgroup = Some(PathBuf::from(value()?)),
-            "--count" => args.count = number(value()?)?.clamp(1, 19_000) as u32,
-            "--ttl" => args.ttl = number(value()?)?.clamp(1, 255) as u32,
-            "--abort-ms" => args.abort_after = Duration::from_millis(number(value()?)?),
-            "--hold-ms" => args.hold = Duration::from_millis(number(value()?)?),
-            "--until-stdin-closes" => args.until_stdin_closes = true,
-            "--reconnect" => args.reconnect = true,
-            "--nobody" => args.nobody = true,
-            "--send" => args.send = Some(value()?),
-            other => return Err(format!("unknown argument {other}")),
-        }
-    }
-    args.abort = mode.ok_or("--abort or --hold is required")?;
-    args.nobody |= args.abort;
-    Ok(args)
+    /// Write a byte on each held connection this often.
+    #[arg(long = "send-every-ms", value_name = "MS", value_parser = millis)]
+    send_every: Option<Duration>,
 }
 
 /// Joins the cgroup, then (for `--abort` and `--nobody`) becomes nobody.
 fn enter(args: &Args) -> Result<(), String> {
     if let Some(dir) = &args.cgroup {
-        std::fs::write(dir.join("cgroup.procs"), std::process::id().to_string())
-            .map_err(|e| format!("joining cgroup {}: {e}", dir.display()))?;
+        join_cgroup(dir)?;
     }
-    if !args.nobody {
+    if !args.nobody && !args.abort {
         return Ok(());
     }
-    // SAFETY: plain credential syscalls on this single-threaded process.
-    let dropped = unsafe {
-        libc::setgroups(0, std::ptr::null()) == 0
-            && libc::setgid(65534) == 0
-            && libc::setuid(65534) == 0
-    };
-    // SAFETY: geteuid has no preconditions.
-    if !dropped || unsafe { libc::geteuid() } != 65534 {
-        return Err(format!(
-            "dropping to uid 65534: {}",
-            std::io::Error::last_os_error()
-        ));
-    }
-    Ok(())
+    // This process is single-threaded here.
+    socklb_tests::become_nobody()
 }
 
 #[derive(Serialize)]
@@ -253,12 +224,23 @@ fn hold(args: &Args) -> Vec<Held> {
             released.store(true, std::sync::atomic::Ordering::SeqCst);
         });
     }
-    while started.elapsed() < args.hold && !released.load(std::sync::atomic::Ordering::SeqCst) {
+    let mut last_send = Instant::now();
+    while started.elapsed() < args.hold_for && !released.load(std::sync::atomic::Ordering::SeqCst) {
+        if let Some(every) = args.send_every
+            && last_send.elapsed() >= every
+        {
+            last_send = Instant::now();
+            for stream in streams.iter().flatten() {
+                let mut stream = stream;
+                let _ = stream.write(b".");
+            }
+        }
         let left = args
-            .hold
+            .hold_for
             .saturating_sub(started.elapsed())
             .as_millis()
-            .min(200) as i32;
+            .min(200)
+            .min(args.send_every.map_or(200, |every| every.as_millis())) as i32;
         // SAFETY: poll(2) on an array of pollfd we own.
         let ready = unsafe { libc::poll(polled.as_mut_ptr(), polled.len() as libc::nfds_t, left) };
         if ready <= 0 {
@@ -335,13 +317,7 @@ fn hold(args: &Args) -> Vec<Held> {
 }
 
 fn main() -> ExitCode {
-    let args = match parse_args() {
-        Ok(args) => args,
-        Err(message) => {
-            eprintln!("connclient: {message}");
-            return ExitCode::from(2);
-        }
-    };
+    let args = Args::parse();
     socklb_tests::raise_open_files();
     if let Err(message) = enter(&args) {
         eprintln!("connclient: {message}");

@@ -13,10 +13,6 @@
 //! (each with the same one retry), records when it finished and how long
 //! its longest failed attempt waited, and stops; the process ends when
 //! every agent has.
-//!
-//! Usage: fleetagent --addr VIP:PORT --cgroup DIR --agents N
-//!                   [--interval-ms 1000] [--max-seconds 600]
-//!                   [--work-requests K]
 
 use std::{
     collections::BTreeMap,
@@ -29,10 +25,36 @@ use std::{
     time::{Duration, Instant},
 };
 
+use clap::Parser;
 use rustls::{ClientConnection, StreamOwned};
 use rustls_pki_types::ServerName;
 use serde::Serialize;
 use socklb::health::probe::{TlsOptions, client_config};
+use socklb_tests::cli::{join_cgroup, millis, seconds};
+
+/// A fleet of long-lived agents through a VIP; one JSON summary at the end.
+#[derive(Debug, Parser)]
+#[command(name = "fleetagent")]
+struct Args {
+    /// Where to connect (a VIP).
+    #[arg(long)]
+    addr: SocketAddr,
+    /// A cgroup v2 directory to join first.
+    #[arg(long)]
+    cgroup: Option<std::path::PathBuf>,
+    /// Agents, each on its own thread and connection.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=5000))]
+    agents: u32,
+    /// Each agent's request interval (at least 10 ms).
+    #[arg(long = "interval-ms", value_name = "MS", default_value = "1000", value_parser = millis)]
+    interval: Duration,
+    /// The run's bound (1 to 3600).
+    #[arg(long = "max-seconds", value_name = "S", default_value = "600", value_parser = seconds)]
+    max: Duration,
+    /// Requests of each agent in the work phase (a `work` line on stdin).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=100_000))]
+    work_requests: u32,
+}
 
 const TIMEOUT: Duration = Duration::from_secs(2);
 const RETRY_AFTER: Duration = Duration::from_millis(250);
@@ -286,41 +308,21 @@ impl Agent<'_> {
 }
 
 fn main() {
-    let mut addr: Option<SocketAddr> = None;
-    let mut cgroup: Option<String> = None;
-    let mut agents: u32 = 1;
-    let mut interval = Duration::from_secs(1);
-    let mut max = Duration::from_secs(600);
-    let mut work_requests: u32 = 0;
-    let mut words = std::env::args().skip(1);
-    while let Some(flag) = words.next() {
-        let value = words.next().unwrap_or_default();
-        let number = || value.parse::<u64>().unwrap_or(0);
-        match flag.as_str() {
-            "--addr" => addr = value.parse().ok(),
-            "--cgroup" => cgroup = Some(value.clone()),
-            "--agents" => agents = number().clamp(1, 5000) as u32,
-            "--interval-ms" => interval = Duration::from_millis(number().max(10)),
-            "--max-seconds" => max = Duration::from_secs(number().clamp(1, 3600)),
-            "--work-requests" => work_requests = number().min(100_000) as u32,
-            other => {
-                eprintln!("fleetagent: unknown argument {other}");
-                std::process::exit(2);
-            }
-        }
-    }
-    let Some(addr) = addr else {
-        eprintln!("fleetagent: --addr VIP:PORT is required");
-        std::process::exit(2);
-    };
+    let Args {
+        addr,
+        cgroup,
+        agents,
+        interval,
+        max,
+        work_requests,
+    } = Args::parse();
+    let interval = interval.max(Duration::from_millis(10));
+    let max = max.clamp(Duration::from_secs(1), Duration::from_secs(3600));
     socklb_tests::raise_open_files();
     if let Some(cgroup) = &cgroup
-        && let Err(error) = std::fs::write(
-            format!("{cgroup}/cgroup.procs"),
-            std::process::id().to_string(),
-        )
+        && let Err(message) = join_cgroup(cgroup)
     {
-        eprintln!("fleetagent: joining {cgroup}: {error}");
+        eprintln!("fleetagent: {message}");
         std::process::exit(2);
     }
     let shared = Arc::new(Shared {

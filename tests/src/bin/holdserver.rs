@@ -2,37 +2,32 @@
 //! it open, many thousands of them (it raises its open-files limit to the
 //! hard limit). Prints the bound address on its first line, then runs
 //! until its stdin closes or the bound passes.
-//!
-//! Usage: holdserver --listen IP:PORT [--max-seconds S]
 
 use std::{
     io::{Read, Write},
-    net::TcpListener,
+    net::{SocketAddr, TcpListener},
     time::{Duration, Instant},
 };
 
+use clap::Parser;
+use socklb_tests::cli::seconds;
+
+/// Accepts every connection and keeps it open.
+#[derive(Debug, Parser)]
+#[command(name = "holdserver")]
+struct Args {
+    /// Where to listen (port 0: any free port; the first line says which).
+    #[arg(long)]
+    listen: SocketAddr,
+    /// The run's bound.
+    #[arg(long = "max-seconds", value_name = "S", default_value = "300", value_parser = seconds)]
+    max: Duration,
+}
+
 fn main() {
-    let mut listen = None;
-    let mut max = Duration::from_secs(300);
-    let mut words = std::env::args().skip(1);
-    while let Some(flag) = words.next() {
-        match flag.as_str() {
-            "--listen" => listen = words.next(),
-            "--max-seconds" => {
-                max = Duration::from_secs(words.next().and_then(|s| s.parse().ok()).unwrap_or(300))
-            }
-            other => {
-                eprintln!("holdserver: unknown argument {other}");
-                std::process::exit(2);
-            }
-        }
-    }
-    let Some(listen) = listen else {
-        eprintln!("holdserver: --listen IP:PORT is required");
-        std::process::exit(2);
-    };
+    let Args { listen, max } = Args::parse();
     socklb_tests::raise_open_files();
-    let listener = TcpListener::bind(&listen).unwrap_or_else(|error| {
+    let listener = TcpListener::bind(listen).unwrap_or_else(|error| {
         eprintln!("holdserver: listening on {listen}: {error}");
         std::process::exit(1);
     });

@@ -2,10 +2,6 @@
 //! then connects to an address a bounded number of times and prints one JSON
 //! line per attempt: who served it, what getpeername said, or the error.
 //!
-//! Usage: lbclient --addr ADDR:PORT [--cgroup DIR] [--count N]
-//!                 [--interval-ms MS] [--timeout-ms MS] [--new-netns]
-//!                 [--hold-ms MS]
-//!
 //! With --hold-ms, each connection is kept open after the name is read,
 //! until the peer ends it or MS pass, and the line says how it ended.
 //! With --keep-open-ms, every connection stays open until MS after the
@@ -22,20 +18,42 @@ use std::{
     time::{Duration, Instant},
 };
 
+use clap::Parser;
 use serde::Serialize;
+use socklb_tests::cli::{join_cgroup, millis};
 
 /// What `--new-netns` answers with, from a listener inside that namespace.
 pub const OWN_NETNS_NAME: &str = "own-netns";
 
-#[derive(Debug)]
+/// Connects to ADDR from inside a cgroup, COUNT times, and prints one JSON
+/// line per attempt.
+#[derive(Debug, Parser)]
+#[command(name = "lbclient")]
 struct Args {
+    /// Where to connect (a VIP).
+    #[arg(long)]
     addr: SocketAddr,
+    /// A cgroup v2 directory to join first.
+    #[arg(long)]
     cgroup: Option<PathBuf>,
+    /// Connect attempts.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     count: u32,
+    /// Pause between attempts.
+    #[arg(long = "interval-ms", value_name = "MS", default_value = "0", value_parser = millis)]
     interval: Duration,
+    /// Bound of each connect and of the read of the name.
+    #[arg(long = "timeout-ms", value_name = "MS", default_value = "2000", value_parser = millis)]
     timeout: Duration,
+    /// Connect from a new network namespace, where a listener on ADDR
+    /// answers `own-netns`.
+    #[arg(long)]
     new_netns: bool,
+    /// Keep each connection open after the name, up to MS.
+    #[arg(long = "hold-ms", value_name = "MS", value_parser = millis)]
     hold: Option<Duration>,
+    /// Keep every connection open until MS after the last one was made.
+    #[arg(long = "keep-open-ms", value_name = "MS", value_parser = millis)]
     keep_open: Option<Duration>,
 }
 
@@ -49,72 +67,8 @@ struct Attempt {
     /// With --hold-ms: "eof", "error" (see errno) or "timeout".
     hold_end: Option<String>,
     held_ms: Option<u64>,
-}
-
-fn parse_args() -> Result<Args, String> {
-    let mut args = Args {
-        addr: "127.0.0.1:1".parse().expect("literal"),
-        cgroup: None,
-        count: 1,
-        interval: Duration::ZERO,
-        timeout: Duration::from_secs(2),
-        new_netns: false,
-        hold: None,
-        keep_open: None,
-    };
-    let mut have_addr = false;
-    let mut words = std::env::args().skip(1);
-    while let Some(flag) = words.next() {
-        let mut value = || words.next().ok_or_else(|| format!("{flag} needs a value"));
-        match flag.as_str() {
-            "--addr" => {
-                args.addr = value()?.parse().map_err(|e| format!("--addr: {e}"))?;
-                have_addr = true;
-            }
-            "--cgroup" => args.cgroup = Some(PathBuf::from(value()?)),
-            "--count" => {
-                args.count = value()?.parse().map_err(|e| format!("--count: {e}"))?;
-                if args.count == 0 || args.count > 100_000 {
-                    return Err("--count must be in 1..=100000".into());
-                }
-            }
-            "--interval-ms" => {
-                args.interval = Duration::from_millis(
-                    value()?
-                        .parse()
-                        .map_err(|e| format!("--interval-ms: {e}"))?,
-                )
-            }
-            "--timeout-ms" => {
-                args.timeout = Duration::from_millis(
-                    value()?.parse().map_err(|e| format!("--timeout-ms: {e}"))?,
-                )
-            }
-            "--new-netns" => args.new_netns = true,
-            "--keep-open-ms" => {
-                args.keep_open = Some(Duration::from_millis(
-                    value()?
-                        .parse()
-                        .map_err(|e| format!("--keep-open-ms: {e}"))?,
-                ))
-            }
-            "--hold-ms" => {
-                args.hold = Some(Duration::from_millis(
-                    value()?.parse().map_err(|e| format!("--hold-ms: {e}"))?,
-                ))
-            }
-            other => return Err(format!("unknown argument {other}")),
-        }
-    }
-    if !have_addr {
-        return Err("--addr is required".into());
-    }
-    Ok(args)
-}
-
-fn join_cgroup(dir: &std::path::Path) -> Result<(), String> {
-    std::fs::write(dir.join("cgroup.procs"), std::process::id().to_string())
-        .map_err(|e| format!("joining cgroup {}: {e}", dir.display()))
+    /// When the attempt began, in ms since the client started.
+    at_ms: u64,
 }
 
 /// Moves this process into a new network namespace with loopback up, and
@@ -159,6 +113,7 @@ fn attempt(
             error: Some(error.to_string()),
             hold_end: None,
             held_ms: None,
+            at_ms: 0,
         },
         Ok(stream) => {
             let peer = stream.peer_addr().ok().map(|peer| peer.to_string());
@@ -176,6 +131,7 @@ fn attempt(
                 error: read.err().map(|e| e.to_string()),
                 hold_end: None,
                 held_ms: None,
+                at_ms: 0,
             };
             if let (true, Some(hold)) = (ok, hold) {
                 let started = Instant::now();
@@ -205,13 +161,7 @@ fn attempt(
 }
 
 fn main() -> ExitCode {
-    let args = match parse_args() {
-        Ok(args) => args,
-        Err(message) => {
-            eprintln!("lbclient: {message}");
-            return ExitCode::from(2);
-        }
-    };
+    let args = Args::parse();
     if let Some(dir) = &args.cgroup
         && let Err(message) = join_cgroup(dir)
     {
@@ -227,12 +177,17 @@ fn main() -> ExitCode {
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let mut kept = Vec::new();
+    let started = Instant::now();
     for index in 0..args.count {
         if index > 0 && !args.interval.is_zero() {
             std::thread::sleep(args.interval);
         }
-        let line = serde_json::to_string(&attempt(args.addr, args.timeout, args.hold, &mut kept))
-            .expect("serialise");
+        let at_ms = started.elapsed().as_millis() as u64;
+        let made = Attempt {
+            at_ms,
+            ..attempt(args.addr, args.timeout, args.hold, &mut kept)
+        };
+        let line = serde_json::to_string(&made).expect("serialise");
         if args.keep_open.is_none() {
             kept.clear();
         }

@@ -1,10 +1,6 @@
 //! A stand-in for a k3s/rke2 agent talking to its apiserver through the
 //! VIP: joins a cgroup, then makes HTTPS requests, each on a new
 //! connection, retrying a failed one, and prints one JSON line per request.
-//!
-//! Usage: testagent --addr VIP:PORT [--cgroup DIR] [--path /cpu]
-//!                  [--requests N] [--interval-ms MS] [--timeout-ms MS]
-//!                  [--retries N]
 
 use std::{
     io::{Read, Write},
@@ -13,10 +9,12 @@ use std::{
     time::{Duration, Instant},
 };
 
+use clap::Parser;
 use rustls::{ClientConnection, StreamOwned};
 use rustls_pki_types::ServerName;
 use serde::Serialize;
 use socklb::health::probe::{TlsOptions, client_config};
+use socklb_tests::cli::{join_cgroup, millis};
 
 #[derive(Serialize)]
 struct Request {
@@ -33,44 +31,31 @@ struct Request {
     failed_ms: Vec<u64>,
 }
 
+/// HTTPS requests through a VIP, one JSON line each.
+#[derive(Debug, Parser)]
+#[command(name = "testagent")]
 struct Args {
+    /// Where to connect (a VIP).
+    #[arg(long)]
     addr: SocketAddr,
-    cgroup: Option<String>,
+    /// A cgroup v2 directory to join first.
+    #[arg(long)]
+    cgroup: Option<std::path::PathBuf>,
+    /// The path of every request.
+    #[arg(long, default_value = "/readyz")]
     path: String,
+    /// Requests to make.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     requests: u32,
+    /// Pause between requests.
+    #[arg(long = "interval-ms", value_name = "MS", default_value = "0", value_parser = millis)]
     interval: Duration,
+    /// Bound of each attempt, connect to answer.
+    #[arg(long = "timeout-ms", value_name = "MS", default_value = "2000", value_parser = millis)]
     timeout: Duration,
+    /// Retries of a failed request.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(0..=10))]
     retries: u32,
-}
-
-fn parse_args() -> Result<Args, String> {
-    let mut args = Args {
-        addr: "127.0.0.1:1".parse().expect("literal"),
-        cgroup: None,
-        path: "/readyz".into(),
-        requests: 1,
-        interval: Duration::ZERO,
-        timeout: Duration::from_secs(2),
-        retries: 1,
-    };
-    let mut words = std::env::args().skip(1);
-    while let Some(flag) = words.next() {
-        let value = words
-            .next()
-            .ok_or_else(|| format!("{flag} needs a value"))?;
-        let number = || value.parse::<u64>().map_err(|e| format!("{flag}: {e}"));
-        match flag.as_str() {
-            "--addr" => args.addr = value.parse().map_err(|e| format!("--addr: {e}"))?,
-            "--cgroup" => args.cgroup = Some(value.clone()),
-            "--path" => args.path = value.clone(),
-            "--requests" => args.requests = number()?.clamp(1, 100_000) as u32,
-            "--interval-ms" => args.interval = Duration::from_millis(number()?),
-            "--timeout-ms" => args.timeout = Duration::from_millis(number()?),
-            "--retries" => args.retries = number()?.min(10) as u32,
-            other => return Err(format!("unknown argument {other}")),
-        }
-    }
-    Ok(args)
 }
 
 /// One HTTPS GET on a new connection, all of it within `timeout`.
@@ -122,20 +107,11 @@ fn get(
 }
 
 fn main() {
-    let args = match parse_args() {
-        Ok(args) => args,
-        Err(message) => {
-            eprintln!("testagent: {message}");
-            std::process::exit(2);
-        }
-    };
+    let args = Args::parse();
     if let Some(cgroup) = &args.cgroup
-        && let Err(error) = std::fs::write(
-            format!("{cgroup}/cgroup.procs"),
-            std::process::id().to_string(),
-        )
+        && let Err(message) = join_cgroup(cgroup)
     {
-        eprintln!("testagent: joining {cgroup}: {error}");
+        eprintln!("testagent: {message}");
         std::process::exit(2);
     }
     let config = client_config(&TlsOptions::default()).expect("TLS client");

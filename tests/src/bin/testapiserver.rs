@@ -11,8 +11,8 @@
 //! With `--hang`, it accepts TCP connections and never says a word: the
 //! server that 318 rke2 agents were stuck on. SIGUSR1 turns a running
 //! server into such a one in place, with no moment of refused connects.
-//!
-//! Usage: testapiserver --listen ADDR:PORT --name NAME [--hang]
+//! SIGUSR2 makes `/readyz` and `/ping` answer [`SLOW_ANSWER`] late (an
+//! overloaded server), or on time again.
 
 use std::{
     io::{Read, Write},
@@ -24,12 +24,41 @@ use std::{
     time::{Duration, Instant},
 };
 
+use clap::Parser;
+
+/// A test apiserver over TLS (see the module documentation).
+#[derive(Debug, Parser)]
+#[command(name = "testapiserver")]
+struct Args {
+    /// Where to listen.
+    #[arg(long)]
+    listen: SocketAddr,
+    /// The name every answer carries in `x-server`.
+    #[arg(long, default_value = "server")]
+    name: String,
+    /// Accept TCP and never answer.
+    #[arg(long)]
+    hang: bool,
+}
+
 /// Set by SIGUSR1: accept, and never answer again.
 static HANG: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn hang_now(_signal: libc::c_int) {
     // An atomic store is async-signal-safe.
     HANG.store(true, Ordering::SeqCst);
+}
+
+/// Toggled by SIGUSR2: `/readyz` and `/ping` answer `SLOW_ANSWER` late.
+static SLOW: AtomicBool = AtomicBool::new(false);
+
+/// How late a slow server answers: more than a probe's default timeout
+/// (1 s), less than an agent's (2 s).
+const SLOW_ANSWER: Duration = Duration::from_millis(1500);
+
+extern "C" fn toggle_slow(_signal: libc::c_int) {
+    // An atomic update is async-signal-safe.
+    SLOW.fetch_xor(true, Ordering::SeqCst);
 }
 
 /// Holds a connection without a word until the process ends (bounded).
@@ -117,6 +146,9 @@ fn serve(stream: TcpStream, config: Arc<ServerConfig>, name: &str) {
         let keep_alive = line
             .lines()
             .any(|header| header.eq_ignore_ascii_case("connection: keep-alive"));
+        if matches!(path, "/readyz" | "/ping") && SLOW.load(Ordering::SeqCst) {
+            std::thread::sleep(SLOW_ANSWER);
+        }
         let (status, body) = match path {
             "/readyz" => ("200 OK", "ok".to_string()),
             "/ping" => ("200 OK", "pong".to_string()),
@@ -144,25 +176,7 @@ fn serve(stream: TcpStream, config: Arc<ServerConfig>, name: &str) {
 }
 
 fn main() {
-    let mut listen: Option<SocketAddr> = None;
-    let mut name = String::from("server");
-    let mut hang = false;
-    let mut words = std::env::args().skip(1);
-    while let Some(flag) = words.next() {
-        match flag.as_str() {
-            "--listen" => listen = words.next().and_then(|text| text.parse().ok()),
-            "--name" => name = words.next().unwrap_or_default(),
-            "--hang" => hang = true,
-            other => {
-                eprintln!("testapiserver: unknown argument {other}");
-                std::process::exit(2);
-            }
-        }
-    }
-    let Some(listen) = listen else {
-        eprintln!("testapiserver: --listen ADDR:PORT is required");
-        std::process::exit(2);
-    };
+    let Args { listen, name, hang } = Args::parse();
     let listener = TcpListener::bind(listen).unwrap_or_else(|error| {
         eprintln!("testapiserver: listening on {listen}: {error}");
         std::process::exit(1);
@@ -171,6 +185,13 @@ fn main() {
     HANG.store(hang, Ordering::SeqCst);
     // SAFETY: installs a handler that only stores to an atomic.
     unsafe { libc::signal(libc::SIGUSR1, hang_now as *const () as libc::sighandler_t) };
+    // SAFETY: installs a handler that only updates an atomic.
+    unsafe {
+        libc::signal(
+            libc::SIGUSR2,
+            toggle_slow as *const () as libc::sighandler_t,
+        )
+    };
     let mut held = Vec::new();
     for stream in listener.incoming().flatten() {
         if HANG.load(Ordering::SeqCst) {

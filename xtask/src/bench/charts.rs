@@ -4,7 +4,14 @@
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use plotters::{coord::ranged1d::SegmentValue, prelude::*, style::text_anchor};
+use plotters::{
+    coord::{
+        ranged1d::{SegmentValue, SegmentedCoord},
+        types::{RangedCoordf64, RangedCoordi32},
+    },
+    prelude::*,
+    style::text_anchor,
+};
 
 use super::{Measure, REPETITIONS, Route, Series, report::number};
 
@@ -69,21 +76,41 @@ fn draw(path: &Path, measured: &Series) -> Result<()> {
                 " (lower is better)"
             }
         ))
-        .y_label_formatter(&|value| {
-            let shown = number(*value);
-            if shown.contains('.') {
-                shown
-                    .trim_end_matches('0')
-                    .trim_end_matches('.')
-                    .to_string()
-            } else {
-                shown
-            }
-        })
+        .y_label_formatter(&axis_number)
         .max_light_lines(2)
         .label_style(("sans-serif", 13))
         .draw()?;
 
+    draw_bars(&mut chart, &bars)?;
+    root.draw(&Text::new(
+        format!("bars: median of {REPETITIONS} runs; whiskers: min and max",),
+        (SIZE.0 as i32 - 290, SIZE.1 as i32 - 16),
+        ("sans-serif", 11).into_font().color(&RGBColor(90, 90, 90)),
+    ))?;
+    root.present()?;
+    Ok(())
+}
+
+/// An axis label: the number, without trailing zeros.
+fn axis_number(value: &f64) -> String {
+    let shown = number(*value);
+    if shown.contains('.') {
+        shown
+            .trim_end_matches('0')
+            .trim_end_matches('.')
+            .to_string()
+    } else {
+        shown
+    }
+}
+
+/// The chart's area, over the routes (segments) and the measure's values.
+type Chart<'a, 'b> =
+    ChartContext<'a, SVGBackend<'b>, Cartesian2d<SegmentedCoord<RangedCoordi32>, RangedCoordf64>>;
+
+/// Each route's bar (the median), with its whisker (min to max) and label;
+/// "n/a" for a route without figures.
+fn draw_bars(chart: &mut Chart<'_, '_>, bars: &[(Route, Option<super::Summary>)]) -> Result<()> {
     let whisker = BLACK.stroke_width(2);
     let label_style = TextStyle::from(("sans-serif", 13)).pos(text_anchor::Pos::new(
         text_anchor::HPos::Center,
@@ -123,12 +150,6 @@ fn draw(path: &Path, measured: &Series) -> Result<()> {
                 + Text::new(number(summary.median), (0, -6), label_style.clone()),
         ))?;
     }
-    root.draw(&Text::new(
-        format!("bars: median of {REPETITIONS} runs; whiskers: min and max",),
-        (SIZE.0 as i32 - 290, SIZE.1 as i32 - 16),
-        ("sans-serif", 11).into_font().color(&RGBColor(90, 90, 90)),
-    ))?;
-    root.present()?;
     Ok(())
 }
 

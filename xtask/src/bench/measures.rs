@@ -2,7 +2,9 @@
 //! and the counters that say what a run cost: a proxy's CPU time from
 //! /proc, socklb's hook time from the kernel's BPF run-time statistics.
 
-use std::{fmt::Write as _, fs, path::Path, process::Command, time::Duration};
+use std::{
+    collections::BTreeMap, fmt::Write as _, fs, path::Path, process::Command, time::Duration,
+};
 
 use anyhow::{Context, Result, bail};
 use lb_common::names as socklb_names;
@@ -220,22 +222,17 @@ impl Drop for BpfStats {
     }
 }
 
-/// Run time and run count of the programs of one socklb daemon.
+/// Run time of the programs of one socklb daemon.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct HookCounters {
-    /// Every program of ours (connect and getpeername).
+    /// Every program of ours.
     pub all_run_ns: u64,
-    /// The connect programs only.
-    pub connect_run_ns: u64,
-    pub connect_runs: u64,
 }
 
 impl HookCounters {
     pub fn since(self, before: Self) -> Self {
         Self {
             all_run_ns: self.all_run_ns.saturating_sub(before.all_run_ns),
-            connect_run_ns: self.connect_run_ns.saturating_sub(before.connect_run_ns),
-            connect_runs: self.connect_runs.saturating_sub(before.connect_runs),
         }
     }
 }
@@ -244,6 +241,30 @@ impl HookCounters {
 /// other socklb instances on the machine do not count.
 pub struct HookPrograms {
     ids: Vec<u64>,
+    /// Its never-attached `socklb_uncount`, if this socklb has one.
+    pub uncount: Option<u64>,
+}
+
+/// The ids of the programs named `name` that use the map pinned at `pin`:
+/// this daemon's, among every socklb's on the machine.
+fn programs_using(name: &str, pin: &std::path::Path) -> Result<Vec<u64>> {
+    let map = bpftool(&["map", "show", "pinned", &pin.display().to_string()])?;
+    let Some(map_id) = map["id"].as_u64() else {
+        return Ok(Vec::new());
+    };
+    let programs = bpftool(&["prog", "show"])?;
+    Ok(programs
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|program| {
+            program["name"].as_str() == Some(name)
+                && program["map_ids"]
+                    .as_array()
+                    .is_some_and(|maps| maps.iter().any(|id| id.as_u64() == Some(map_id)))
+        })
+        .filter_map(|program| program["id"].as_u64())
+        .collect())
 }
 
 impl HookPrograms {
@@ -268,50 +289,52 @@ impl HookPrograms {
         }
         // The sk_msg program has no link: it is the one attached to this
         // daemon's sockhash, the only socklb_skmsg that uses that map.
-        let sockhash = pins.map(socklb_names::SOCKHASH);
-        let map = bpftool(&["map", "show", "pinned", &sockhash.display().to_string()])?;
-        if let Some(map_id) = map["id"].as_u64() {
-            let programs = bpftool(&["prog", "show"])?;
-            ids.extend(
-                programs
-                    .as_array()
-                    .into_iter()
-                    .flatten()
-                    .filter(|program| {
-                        program["name"].as_str() == Some(socklb_names::SKMSG)
-                            && program["map_ids"].as_array().is_some_and(|maps| {
-                                maps.iter().any(|id| id.as_u64() == Some(map_id))
-                            })
-                    })
-                    .filter_map(|program| program["id"].as_u64()),
-            );
+        ids.extend(programs_using(
+            socklb_names::SKMSG,
+            &pins.map(socklb_names::SOCKHASH),
+        )?);
+        // The daemon holds its uncount program (never attached, never
+        // run on the data path): the one that uses its counters.
+        let uncount = programs_using(
+            socklb_names::UNCOUNT,
+            &pins.map(socklb_names::BACKEND_CONNS),
+        )?
+        .into_iter()
+        .max();
+        Ok(Self { ids, uncount })
+    }
+
+    /// Run time and run count of each program, by name.
+    pub fn read_each(&self) -> Result<BTreeMap<String, (u64, u64)>> {
+        let programs = bpftool(&["prog", "show"])?;
+        let mut counts = BTreeMap::new();
+        for program in programs.as_array().into_iter().flatten() {
+            let (Some(id), Some(name)) = (program["id"].as_u64(), program["name"].as_str()) else {
+                continue;
+            };
+            if self.ids.contains(&id) {
+                // bpftool leaves both fields out while they are zero.
+                let entry = counts.entry(name.to_string()).or_insert((0, 0));
+                entry.0 += program["run_time_ns"].as_u64().unwrap_or(0);
+                entry.1 += program["run_cnt"].as_u64().unwrap_or(0);
+            }
         }
-        Ok(Self { ids })
+        Ok(counts)
+    }
+
+    /// Run time and run count of one program by id.
+    pub fn read_id(&self, id: u64) -> Result<(u64, u64)> {
+        let program = bpftool(&["prog", "show", "id", &id.to_string()])?;
+        Ok((
+            program["run_time_ns"].as_u64().unwrap_or(0),
+            program["run_cnt"].as_u64().unwrap_or(0),
+        ))
     }
 
     pub fn read(&self) -> Result<HookCounters> {
-        let programs = bpftool(&["prog", "show"])?;
-        let mut counters = HookCounters::default();
-        for program in programs.as_array().into_iter().flatten() {
-            let Some(id) = program["id"].as_u64() else {
-                continue;
-            };
-            if !self.ids.contains(&id) {
-                continue;
-            }
-            // bpftool leaves both fields out while they are zero.
-            let run_ns = program["run_time_ns"].as_u64().unwrap_or(0);
-            let runs = program["run_cnt"].as_u64().unwrap_or(0);
-            counters.all_run_ns += run_ns;
-            if program["name"]
-                .as_str()
-                .is_some_and(|name| name.starts_with("socklb_connect"))
-            {
-                counters.connect_run_ns += run_ns;
-                counters.connect_runs += runs;
-            }
-        }
-        Ok(counters)
+        Ok(HookCounters {
+            all_run_ns: self.read_each()?.values().map(|(ns, _)| ns).sum(),
+        })
     }
 }
 
@@ -387,15 +410,20 @@ fn slab_while_holding(lab: &mut super::setup::Lab, route: super::Route) -> Resul
             .unwrap_or(-1)
     };
     // All open (and for sockmap, all but a hundredth at most paired).
-    let opened = wait_until(Duration::from_secs(60), || {
-        count(lab, "live") == wanted
-            && (route != super::Route::Sockmap || count(lab, "accelerated") * 100 >= wanted * 99)
-    });
+    let opened =
+        socklb_tests::holds_within(Duration::from_secs(60), Duration::from_millis(200), || {
+            count(lab, "live") == wanted
+                && (route != super::Route::Sockmap
+                    || count(lab, "accelerated") * 100 >= wanted * 99)
+        });
     let during = slab_bytes()?;
     let paired = count(lab, "accelerated");
     drop(holder.stdin.take());
     let _ = holder.wait();
-    let closed = wait_until(Duration::from_secs(60), || count(lab, "live") == 0);
+    let closed =
+        socklb_tests::holds_within(Duration::from_secs(60), Duration::from_millis(200), || {
+            count(lab, "live") == 0
+        });
     if !opened || !closed {
         bail!(
             "{MEMORY_CONNECTIONS} connections via {}: opened {opened} (paired {paired}), closed {closed}",
@@ -403,18 +431,6 @@ fn slab_while_holding(lab: &mut super::setup::Lab, route: super::Route) -> Resul
         );
     }
     Ok(during - before)
-}
-
-/// Polls `ready` every 200 ms for at most `limit`.
-fn wait_until(limit: Duration, mut ready: impl FnMut() -> bool) -> bool {
-    let deadline = std::time::Instant::now() + limit;
-    while std::time::Instant::now() < deadline {
-        if ready() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    ready()
 }
 
 /// Kernel memory per accelerated connection: the slab bytes that idle
@@ -431,7 +447,7 @@ pub fn accelerated_connection_memory(lab: &mut super::setup::Lab) -> Result<supe
     Ok(super::Summary::of(&extra))
 }
 
-fn bpftool(args: &[&str]) -> Result<Value> {
+pub fn bpftool(args: &[&str]) -> Result<Value> {
     let output = Command::new("bpftool")
         .arg("-j")
         .args(args)

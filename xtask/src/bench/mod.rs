@@ -8,6 +8,8 @@
 //! issue's targets are reported as met or missed, and nothing fails on them.
 
 mod charts;
+pub mod fleet;
+mod kernel_cost;
 mod measures;
 mod micro;
 mod process;
@@ -211,19 +213,10 @@ impl Series {
     }
 }
 
-/// What socklb's hook cost, from the kernel's BPF statistics.
-#[derive(Debug, Clone)]
-pub struct HookCost {
-    pub ns_per_connect: Summary,
-    /// socklb's daemon CPU seconds per 10k requests in the same runs (it
-    /// only probes; it is not on the data path).
-    pub daemon_cpu_per_10k: Summary,
-}
-
 /// Everything the report shows.
 pub struct Results {
     pub series: Vec<Series>,
-    pub hook: HookCost,
+    pub kernel: kernel_cost::KernelCost,
     /// Slab bytes per accelerated connection, beyond a socklb connection
     /// without acceleration.
     pub accelerated_memory: Summary,
@@ -246,7 +239,7 @@ pub fn run(root: &Path) -> Result<()> {
     let started = Instant::now();
     process::install_interrupt_handler();
     tools::install()?;
-    build(root)?;
+    build_release(root, &["connclient", "sockends"])?;
     // Before the lab starts: the compiler and criterion would otherwise
     // share the CPUs with the measurements. A failure here is reported, and
     // does not cost the rest of the run.
@@ -258,14 +251,14 @@ pub fn run(root: &Path) -> Result<()> {
     let machine = tools::machine();
 
     let scratch = ScratchDir::new()?;
-    let (series, hook, wrk_errors, configs, accelerated_memory) = {
+    let (series, kernel, wrk_errors, configs, accelerated_memory) = {
         let mut lab = Lab::start(&scratch)?;
         let mut bench = Bench {
             lab: &mut lab,
             scratch: &scratch.path,
             wrk_errors: Route::ALL.iter().map(|route| (*route, 0, 0)).collect(),
         };
-        let (series, hook) = bench.measure_all()?;
+        let (series, kernel) = bench.measure_all()?;
         let wrk_errors = bench.wrk_errors.clone();
         println!(
             "bench: kernel memory per accelerated connection ({} idle connections, 3 runs)",
@@ -281,7 +274,7 @@ pub fn run(root: &Path) -> Result<()> {
             });
         let configs = lab.configs.clone();
         println!("bench: stopping socklb, the proxies and the backends");
-        (series, hook, wrk_errors, configs, accelerated_memory)
+        (series, kernel, wrk_errors, configs, accelerated_memory)
     };
     check_interrupted()?;
     let vip_ports = [
@@ -294,7 +287,7 @@ pub fn run(root: &Path) -> Result<()> {
 
     let results = Results {
         series,
-        hook,
+        kernel,
         accelerated_memory,
         wrk_errors,
         footprint,
@@ -311,16 +304,54 @@ pub fn run(root: &Path) -> Result<()> {
     Ok(())
 }
 
+/// `cargo xtask bench --kernel-cost`: only what socklb's programs cost per
+/// connection, and the new-connection rates against direct, printed (no
+/// report written). `socklb`: measure that binary instead of this tree's,
+/// for a figure of another version (the object's programs are that
+/// version's; the bench is this one).
+pub fn run_kernel_cost(root: &Path, socklb: Option<PathBuf>) -> Result<()> {
+    if !crate::is_root() {
+        bail!("cargo xtask bench loads eBPF programs and creates cgroups: run it as root");
+    }
+    process::install_interrupt_handler();
+    tools::install()?;
+    build_release(root, &["connclient", "sockends"])?;
+    if let Some(binary) = &socklb {
+        // SAFETY: set before any thread starts; socklb_tests reads it.
+        unsafe { std::env::set_var("SOCKLB_BIN", binary) };
+    }
+    let scratch = ScratchDir::new()?;
+    let mut lab = Lab::start(&scratch)?;
+    let mut bench = Bench {
+        lab: &mut lab,
+        scratch: &scratch.path,
+        wrk_errors: Route::ALL.iter().map(|route| (*route, 0, 0)).collect(),
+    };
+    let rates = bench.wrk_measures(
+        &[Route::Direct, Route::Socklb],
+        &[Measure::NewConnections1, Measure::NewConnections64],
+    )?;
+    let kernel = kernel_cost::measure(&mut bench)?;
+    println!("{}", report::render_kernel_cost_alone(&kernel, &rates));
+    Ok(())
+}
+
 fn target_dir(root: &Path) -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from)
 }
 
 /// The eBPF object, then socklb in release (its daemon's CPU and memory
-/// are measured; the connect() path is in the kernel either way).
-fn build(root: &Path) -> Result<()> {
+/// are measured; the connect() path is in the kernel either way) with
+/// the test helpers a run needs; socklb_tests finds them through
+/// SOCKLB_BIN and LBCLIENT_BIN.
+pub fn build_release(root: &Path, helpers: &[&str]) -> Result<()> {
     crate::toolchain::build_ebpf()?;
-    println!("xtask: building socklb (release)");
-    crate::run_checked(crate::cargo().args([
+    println!(
+        "xtask: building socklb and {} (release)",
+        helpers.join(", ")
+    );
+    let mut command = crate::cargo();
+    command.args([
         "build",
         "--release",
         "--package",
@@ -329,12 +360,17 @@ fn build(root: &Path) -> Result<()> {
         "socklb",
         "--package",
         "socklb-tests",
-        "--bin",
-        "connclient",
-    ]))?;
-    let binary = target_dir(root).join("release/socklb");
-    // SAFETY: set before any thread starts; socklb_tests reads it.
-    unsafe { std::env::set_var("SOCKLB_BIN", &binary) };
+    ]);
+    for helper in helpers {
+        command.args(["--bin", helper]);
+    }
+    crate::run_checked(&mut command)?;
+    let release = target_dir(root).join("release");
+    // SAFETY: set before any thread starts; socklb_tests reads them.
+    unsafe {
+        std::env::set_var("SOCKLB_BIN", release.join("socklb"));
+        std::env::set_var("LBCLIENT_BIN", release.join("lbclient"));
+    }
     Ok(())
 }
 
@@ -346,61 +382,51 @@ struct Bench<'a> {
 }
 
 impl Bench<'_> {
-    fn measure_all(&mut self) -> Result<(Vec<Series>, HookCost)> {
+    fn measure_all(&mut self) -> Result<(Vec<Series>, kernel_cost::KernelCost)> {
+        let mut series = self.wrk_measures(
+            &Route::ALL,
+            &[
+                Measure::NewConnections1,
+                Measure::NewConnections64,
+                Measure::KeepAlive64,
+            ],
+        )?;
+        series.extend(self.measure_latency()?);
+        series.extend(self.measure_throughput_and_cpu()?);
+        series.push(self.cpu_cost()?);
+        let kernel = kernel_cost::measure(self)?;
+        Ok((series, kernel))
+    }
+
+    /// Round trips (sockperf), with everything on one CPU, then with the
+    /// client on the other.
+    fn measure_latency(&mut self) -> Result<Vec<Series>> {
         let mut series = Vec::new();
-        for (measure, threads, connections, close) in [
-            (Measure::NewConnections1, 1, 1, true),
-            (Measure::NewConnections64, 2, 64, true),
-            (Measure::KeepAlive64, 2, 64, false),
+        for (cpu, measures) in [
+            (SINGLE_FLOW_CPU, [Measure::LatencyP50, Measure::LatencyP99]),
+            (
+                OTHER_CPU,
+                [Measure::LatencyP50Split, Measure::LatencyP99Split],
+            ),
         ] {
-            // One connection is one flow of work: pinned, like the latency.
-            let single_flow = connections == 1;
-            let _pinned = single_flow.then(|| self.pin_servers()).transpose()?;
-            let load = WrkLoad {
-                threads,
-                connections,
-                seconds: RUN_SECONDS,
-                close,
-                cpu: single_flow.then_some(SINGLE_FLOW_CPU),
-            };
-            self.warm_up(load)?;
-            series.extend(self.take_turns(&Route::ALL, &[measure], |bench, route| {
-                Ok(vec![bench.wrk(route, load)?.per_second])
+            // Servers on SINGLE_FLOW_CPU; the client on `cpu`.
+            let _pinned = self.pin_servers()?;
+            series.extend(self.take_turns(&Route::ALL, &measures, |bench, route| {
+                let result = measures::sockperf(
+                    bench.lab.route(route),
+                    RUN_SECONDS,
+                    Some(cpu),
+                    bench.scratch,
+                )?;
+                Ok(vec![result.p50_us, result.p99_us])
             })?);
         }
-        {
-            let _pinned = self.pin_servers()?;
-            series.extend(self.take_turns(
-                &Route::ALL,
-                &[Measure::LatencyP50, Measure::LatencyP99],
-                |bench, route| {
-                    let result = measures::sockperf(
-                        bench.lab.route(route),
-                        RUN_SECONDS,
-                        Some(SINGLE_FLOW_CPU),
-                        bench.scratch,
-                    )?;
-                    Ok(vec![result.p50_us, result.p99_us])
-                },
-            )?);
-        }
-        {
-            // Servers on SINGLE_FLOW_CPU, the client on the other one.
-            let _pinned = self.pin_servers()?;
-            series.extend(self.take_turns(
-                &Route::ALL,
-                &[Measure::LatencyP50Split, Measure::LatencyP99Split],
-                |bench, route| {
-                    let result = measures::sockperf(
-                        bench.lab.route(route),
-                        RUN_SECONDS,
-                        Some(OTHER_CPU),
-                        bench.scratch,
-                    )?;
-                    Ok(vec![result.p50_us, result.p99_us])
-                },
-            )?);
-        }
+        Ok(series)
+    }
+
+    /// Throughput (iperf3) and the machine's CPU per keep-alive request.
+    fn measure_throughput_and_cpu(&mut self) -> Result<Vec<Series>> {
+        let mut series = Vec::new();
         for (measure, streams) in [(Measure::Throughput1, 1), (Measure::Throughput4, 4)] {
             series.extend(self.take_turns(&Route::ALL, &[measure], |bench, route| {
                 let bits =
@@ -425,9 +451,36 @@ impl Bench<'_> {
                 Ok(vec![used / run.requests.max(1) as f64 * 1e4])
             },
         )?);
-        let (cpu, hook) = self.cpu_cost()?;
-        series.push(cpu);
-        Ok((series, hook))
+        Ok(series)
+    }
+
+    /// The wrk measures (new-connection rates, keep-alive rate), the
+    /// routes taking turns.
+    fn wrk_measures(&mut self, routes: &[Route], measures: &[Measure]) -> Result<Vec<Series>> {
+        let mut series = Vec::new();
+        for measure in measures {
+            let (threads, connections, close) = match measure {
+                Measure::NewConnections1 => (1, 1, true),
+                Measure::NewConnections64 => (2, 64, true),
+                Measure::KeepAlive64 => (2, 64, false),
+                other => bail!("{other:?} is not a wrk measure"),
+            };
+            // One connection is one flow of work: pinned, like the latency.
+            let single_flow = connections == 1;
+            let _pinned = single_flow.then(|| self.pin_servers()).transpose()?;
+            let load = WrkLoad {
+                threads,
+                connections,
+                seconds: RUN_SECONDS,
+                close,
+                cpu: single_flow.then_some(SINGLE_FLOW_CPU),
+            };
+            self.warm_up(routes, load)?;
+            series.extend(self.take_turns(routes, &[*measure], |bench, route| {
+                Ok(vec![bench.wrk(route, load)?.per_second])
+            })?);
+        }
+        Ok(series)
     }
 
     /// Moves every backend and proxy thread onto SINGLE_FLOW_CPU until the
@@ -449,8 +502,8 @@ impl Bench<'_> {
 
     /// One short run per route, so that the first measured run does not pay
     /// for cold caches and a fresh accept queue.
-    fn warm_up(&mut self, load: WrkLoad) -> Result<()> {
-        for route in Route::ALL {
+    fn warm_up(&mut self, routes: &[Route], load: WrkLoad) -> Result<()> {
+        for &route in routes {
             self.wrk(route, WrkLoad { seconds: 1, ..load })?;
         }
         Ok(())
@@ -522,11 +575,11 @@ impl Bench<'_> {
         Ok(series)
     }
 
-    /// CPU per 10k new-connection requests (wrk at 64 connections): HAProxy's
-    /// and nginx's from /proc, socklb's hook from the BPF statistics, which
-    /// are on only around socklb's runs. These runs are separate from the
-    /// rate runs, which ran with the statistics off.
-    fn cpu_cost(&mut self) -> Result<(Series, HookCost)> {
+    /// CPU per 10k new-connection requests (wrk at 64 connections):
+    /// HAProxy's and nginx's from /proc, socklb's programs' from the BPF
+    /// statistics, which are on only around socklb's runs. These runs are
+    /// separate from the rate runs, which ran with the statistics off.
+    fn cpu_cost(&mut self) -> Result<Series> {
         let load = WrkLoad {
             threads: 2,
             connections: 64,
@@ -535,13 +588,11 @@ impl Bench<'_> {
             cpu: None,
         };
         let programs = HookPrograms::of(&self.lab.daemon)?;
-        let mut ns_per_connect = Vec::new();
-        let mut daemon_cpu = Vec::new();
         let routes = [Route::Socklb, Route::Sockmap, Route::Haproxy, Route::Nginx];
         let mut series = self.take_turns(&routes, &[Measure::CpuPer10k], |bench, route| {
             let per_10k = |cpu_seconds: f64, requests: u64| cpu_seconds / requests as f64 * 1e4;
             match route {
-                Route::Sockmap => {
+                Route::Socklb | Route::Sockmap => {
                     // Every program of socklb, the sk_msg one included.
                     let stats = measures::BpfStats::enable()?;
                     let before = programs.read()?;
@@ -550,51 +601,23 @@ impl Bench<'_> {
                     drop(stats);
                     Ok(vec![per_10k(used.all_run_ns as f64 / 1e9, run.requests)])
                 }
-                Route::Socklb => {
-                    let daemon_pid = bench.lab.daemon.pid();
-                    let stats = measures::BpfStats::enable()?;
-                    let before = programs.read()?;
-                    let daemon_before = process::cpu_seconds(daemon_pid);
-                    let run = bench.wrk(route, load)?;
-                    let used: HookCounters = programs.read()?.since(before);
-                    let daemon_used = process::cpu_seconds(daemon_pid) - daemon_before;
-                    drop(stats);
-                    if used.connect_runs == 0 {
-                        bail!(
-                            "socklb's connect programs did not run: is the client in its cgroup?"
-                        );
-                    }
-                    ns_per_connect.push(used.connect_run_ns as f64 / used.connect_runs as f64);
-                    daemon_cpu.push(per_10k(daemon_used, run.requests));
-                    Ok(vec![per_10k(used.all_run_ns as f64 / 1e9, run.requests)])
-                }
                 Route::Haproxy | Route::Nginx => {
-                    let proxy = if route == Route::Haproxy {
-                        &bench.lab.haproxy
-                    } else {
-                        &bench.lab.nginx_proxy
-                    };
-                    let before = proxy.cpu_seconds_with_children();
+                    let before = bench.proxy(route).cpu_seconds_with_children();
                     let run = bench.wrk(route, load)?;
-                    let proxy = if route == Route::Haproxy {
-                        &bench.lab.haproxy
-                    } else {
-                        &bench.lab.nginx_proxy
-                    };
-                    let used = proxy.cpu_seconds_with_children() - before;
+                    let used = bench.proxy(route).cpu_seconds_with_children() - before;
                     Ok(vec![per_10k(used, run.requests)])
                 }
                 Route::Direct => bail!("direct has no proxy to measure"),
             }
         })?;
-        let hook = HookCost {
-            ns_per_connect: Summary::of(&ns_per_connect),
-            daemon_cpu_per_10k: Summary::of(&daemon_cpu),
-        };
-        println!(
-            "bench:   socklb hook: {} ns per connect (median)",
-            report::number(hook.ns_per_connect.median)
-        );
-        Ok((series.remove(0), hook))
+        Ok(series.remove(0))
+    }
+
+    fn proxy(&self, route: Route) -> &process::Supervised {
+        if route == Route::Haproxy {
+            &self.lab.haproxy
+        } else {
+            &self.lab.nginx_proxy
+        }
     }
 }

@@ -104,27 +104,7 @@ impl Lab {
     }
 
     pub fn start(scratch: &ScratchDir) -> Result<Self> {
-        let mut ports = PortPicker::default();
-        let backend = Targets {
-            http: ports.pick(BACKEND_IP)?,
-            sockperf: ports.pick(BACKEND_IP)?,
-            iperf: ports.pick(BACKEND_IP)?,
-        };
-        let mut front = || -> Result<Targets> {
-            Ok(Targets {
-                http: ports.pick(FRONT_IP)?,
-                sockperf: ports.pick(FRONT_IP)?,
-                iperf: ports.pick(FRONT_IP)?,
-            })
-        };
-        let (vips, haproxy_front, nginx_front) = (front()?, front()?, front()?);
-        let accelerated_vips = front()?;
-        let accelerated_backend = Targets {
-            http: ports.pick(ACCELERATED_BACKEND_IP)?,
-            sockperf: ports.pick(ACCELERATED_BACKEND_IP)?,
-            iperf: ports.pick(ACCELERATED_BACKEND_IP)?,
-        };
-
+        let ports = Ports::pick()?;
         // Declared first so they are removed last if a later step fails.
         let parent_cgroup = Cgroup::new("bench");
         // Clients of direct, HAProxy and nginx run in a sibling cgroup with
@@ -136,23 +116,100 @@ impl Lab {
             socklb_cgroup.path.display(),
             plain_cgroup.path.display()
         );
-
-        let backends = start_backends(scratch, "backend", &backend, None)?;
+        let backends = start_backends(scratch, "backend", &ports.backend, None)?;
         println!(
             "bench: backends: nginx http://{}/{SMALL_FILE}, sockperf server {}, iperf3 server {}",
-            backend.http, backend.sockperf, backend.iperf
+            ports.backend.http, ports.backend.sockperf, ports.backend.iperf
         );
         let accelerated_backends = start_backends(
             scratch,
             "accelerated",
-            &accelerated_backend,
+            &ports.accelerated_backend,
             Some(&socklb_cgroup.path),
         )?;
         println!(
-            "bench: the same backends in socklb's cgroup for the sockmap route: {accelerated_backend:?}"
+            "bench: the same backends in socklb's cgroup for the sockmap route: {:?}",
+            ports.accelerated_backend
         );
+        let proxies = Proxies::start(scratch, &ports)?;
+        let (daemon, socklb_config) = start_socklb(scratch, &ports, &socklb_cgroup.path)?;
+        Ok(Self {
+            daemon,
+            nginx_proxy: proxies.nginx,
+            haproxy: proxies.haproxy,
+            backends,
+            accelerated_backends,
+            backend: ports.backend,
+            accelerated_backend: ports.accelerated_backend,
+            routes: ports.routes(&plain_cgroup.path, &socklb_cgroup.path),
+            _cgroups: vec![socklb_cgroup, plain_cgroup, parent_cgroup],
+            configs: vec![
+                ("socklb.toml".into(), socklb_config),
+                ("haproxy.cfg".into(), proxies.haproxy_config),
+                ("nginx-proxy.conf".into(), proxies.nginx_config),
+            ],
+        })
+    }
+}
 
-        let haproxy_config = haproxy_config(&haproxy_front, &backend);
+/// Every address of the lab: the backends, and each route's front.
+struct Ports {
+    backend: Targets,
+    accelerated_backend: Targets,
+    vips: Targets,
+    accelerated_vips: Targets,
+    haproxy: Targets,
+    nginx: Targets,
+}
+
+impl Ports {
+    fn pick() -> Result<Self> {
+        let mut ports = PortPicker::default();
+        let mut on = |ip: Ipv4Addr| -> Result<Targets> {
+            Ok(Targets {
+                http: ports.pick(ip)?,
+                sockperf: ports.pick(ip)?,
+                iperf: ports.pick(ip)?,
+            })
+        };
+        Ok(Self {
+            backend: on(BACKEND_IP)?,
+            vips: on(FRONT_IP)?,
+            haproxy: on(FRONT_IP)?,
+            nginx: on(FRONT_IP)?,
+            accelerated_vips: on(FRONT_IP)?,
+            accelerated_backend: on(ACCELERATED_BACKEND_IP)?,
+        })
+    }
+
+    /// Each route: where its client connects, from which cgroup.
+    fn routes(&self, plain: &Path, socklb: &Path) -> Vec<RouteSetup> {
+        let setup = |route, targets, cgroup: &Path| RouteSetup {
+            route,
+            targets,
+            cgroup: cgroup.to_path_buf(),
+        };
+        vec![
+            setup(Route::Direct, self.backend, plain),
+            setup(Route::Socklb, self.vips, socklb),
+            setup(Route::Sockmap, self.accelerated_vips, socklb),
+            setup(Route::Haproxy, self.haproxy, plain),
+            setup(Route::Nginx, self.nginx, plain),
+        ]
+    }
+}
+
+/// HAProxy and the nginx stream proxy, running, with their configurations.
+struct Proxies {
+    haproxy: Supervised,
+    nginx: Supervised,
+    haproxy_config: String,
+    nginx_config: String,
+}
+
+impl Proxies {
+    fn start(scratch: &ScratchDir, ports: &Ports) -> Result<Self> {
+        let haproxy_config = haproxy_config(&ports.haproxy, &ports.backend);
         let haproxy_path = scratch.file("haproxy.cfg");
         fs::write(&haproxy_path, &haproxy_config)?;
         let mut haproxy = Supervised::spawn(
@@ -163,87 +220,65 @@ impl Lab {
                 .arg("-db"),
             &scratch.file("haproxy.log"),
         )?;
-        wait_ready(&mut haproxy, &all_of(&haproxy_front))?;
-        println!("bench: HAProxy (mode tcp, leastconn, check inter 1s) on {haproxy_front:?}");
-
-        let nginx_proxy_config = nginx_proxy_config(scratch, &nginx_front, &backend);
-        let mut nginx_proxy = start_nginx(scratch, "nginx-proxy", &nginx_proxy_config, None)?;
-        wait_ready(&mut nginx_proxy, &all_of(&nginx_front))?;
-        println!("bench: nginx stream proxy (least_conn) on {nginx_front:?}");
-
-        let socklb_config = socklb_config(&vips, &backend, &accelerated_vips, &accelerated_backend);
-        let socklb_path = scratch.file("socklb.toml");
-        fs::write(&socklb_path, &socklb_config)?;
-        let args = vec![
-            "--config".to_string(),
-            socklb_path.display().to_string(),
-            "--cgroup".to_string(),
-            socklb_cgroup.path.display().to_string(),
-        ];
-        let mut daemon = Daemon::start("bench", &args);
-        let wanted: Vec<String> = all_of(&backend)
-            .iter()
-            .chain(&all_of(&accelerated_backend))
-            .map(ToString::to_string)
-            .collect();
-        daemon.wait_for("every backend probed and healthy", READY_LIMIT, |status| {
-            wanted.iter().all(|addr| {
-                ["healthy", "probed"].iter().all(|field| {
-                    socklb_tests::backend_field(status, addr, field)
-                        == Some(serde_json::Value::Bool(true))
-                })
-            })
-        });
+        wait_ready(&mut haproxy, &all_of(&ports.haproxy))?;
         println!(
-            "bench: socklb (pid {}) VIPs {vips:?}, pins {}",
-            daemon.pid(),
-            daemon.pin_path.display()
+            "bench: HAProxy (mode tcp, leastconn, check inter 1s) on {:?}",
+            ports.haproxy
         );
-
-        let routes = vec![
-            RouteSetup {
-                route: Route::Direct,
-                targets: backend,
-                cgroup: plain_cgroup.path.clone(),
-            },
-            RouteSetup {
-                route: Route::Socklb,
-                targets: vips,
-                cgroup: socklb_cgroup.path.clone(),
-            },
-            RouteSetup {
-                route: Route::Sockmap,
-                targets: accelerated_vips,
-                cgroup: socklb_cgroup.path.clone(),
-            },
-            RouteSetup {
-                route: Route::Haproxy,
-                targets: haproxy_front,
-                cgroup: plain_cgroup.path.clone(),
-            },
-            RouteSetup {
-                route: Route::Nginx,
-                targets: nginx_front,
-                cgroup: plain_cgroup.path.clone(),
-            },
-        ];
+        let nginx_config = nginx_proxy_config(scratch, &ports.nginx, &ports.backend);
+        let mut nginx = start_nginx(scratch, "nginx-proxy", &nginx_config, None)?;
+        wait_ready(&mut nginx, &all_of(&ports.nginx))?;
+        println!(
+            "bench: nginx stream proxy (least_conn) on {:?}",
+            ports.nginx
+        );
         Ok(Self {
-            daemon,
-            nginx_proxy,
             haproxy,
-            backends,
-            accelerated_backends,
-            backend,
-            accelerated_backend,
-            _cgroups: vec![socklb_cgroup, plain_cgroup, parent_cgroup],
-            routes,
-            configs: vec![
-                ("socklb.toml".into(), socklb_config),
-                ("haproxy.cfg".into(), haproxy_config),
-                ("nginx-proxy.conf".into(), nginx_proxy_config),
-            ],
+            nginx,
+            haproxy_config,
+            nginx_config,
         })
     }
+}
+
+/// socklb on the lab's VIPs, in `cgroup`, every backend probed healthy;
+/// with its configuration.
+fn start_socklb(scratch: &ScratchDir, ports: &Ports, cgroup: &Path) -> Result<(Daemon, String)> {
+    let config = socklb_config(
+        &ports.vips,
+        &ports.backend,
+        &ports.accelerated_vips,
+        &ports.accelerated_backend,
+    );
+    let path = scratch.file("socklb.toml");
+    fs::write(&path, &config)?;
+    let args = vec![
+        "--config".to_string(),
+        path.display().to_string(),
+        "--cgroup".to_string(),
+        cgroup.display().to_string(),
+    ];
+    let mut daemon = Daemon::start("bench", &args);
+    let wanted: Vec<String> = all_of(&ports.backend)
+        .iter()
+        .chain(&all_of(&ports.accelerated_backend))
+        .map(ToString::to_string)
+        .collect();
+    daemon.wait_for("every backend probed and healthy", READY_LIMIT, |status| {
+        wanted.iter().all(|addr| {
+            ["healthy", "probed"].iter().all(|field| {
+                socklb_tests::backend_field(status, addr, field)
+                    == Some(serde_json::Value::Bool(true))
+            })
+        })
+    });
+    println!(
+        "bench: socklb (pid {}) VIPs {:?}, pins {}",
+        daemon.pid(),
+        ports.vips,
+        daemon.pin_path.display()
+    );
+    Ok((daemon, config))
 }
 
 fn all_of(targets: &Targets) -> [SocketAddr; 3] {

@@ -128,6 +128,13 @@ const TAMPERING: &[(&str, Tamper, usize)] = &[
         repair::TABLES,
     ),
     (
+        "a VIP's port bit cleared (its connects would not be looked up)",
+        |maps| {
+            maps.vip_ports.remove(&vip("127.0.0.1:6444").port_be);
+        },
+        repair::SERVICES,
+    ),
+    (
         "a drain added behind the daemon's back",
         |maps| {
             maps.drains.insert(vip("127.0.0.2:1"));
@@ -286,6 +293,9 @@ impl MapStore for LimitedWrites<'_> {
         self.spend()?;
         self.inner.delete_service(vip)
     }
+    fn vip_port_marked(&self, port_be: u16) -> Result<bool, StoreError> {
+        self.inner.vip_port_marked(port_be)
+    }
     fn slots(&self, first: u32, count: u32) -> Result<Vec<BackendSlot>, StoreError> {
         self.inner.slots(first, count)
     }
@@ -359,7 +369,7 @@ impl MapStore for LimitedWrites<'_> {
     fn reset_table_counters(&mut self, id: u32) -> Result<(), StoreError> {
         self.inner.reset_table_counters(id)
     }
-    fn connections(&self, id: u32) -> lb_common::BackendConns {
+    fn connections(&self, id: u32) -> Result<lb_common::BackendConns, StoreError> {
         self.inner.connections(id)
     }
     fn redirects(&self, id: u32) -> u64 {
@@ -368,8 +378,23 @@ impl MapStore for LimitedWrites<'_> {
     fn table_stats(&self, id: u32) -> lb_common::TableStats {
         self.inner.table_stats(id)
     }
-    fn legacy_redirected_to(&self, cookie: u64, backend: &Endpoint) -> bool {
-        self.inner.legacy_redirected_to(cookie, backend)
+    fn redirected_to(&self, cookie: u64, backend: &Endpoint) -> bool {
+        self.inner.redirected_to(cookie, backend)
+    }
+    fn put_liveness(&mut self, liveness: &lb_common::Liveness) -> Result<(), StoreError> {
+        self.inner.put_liveness(liveness)
+    }
+    fn liveness(&self) -> Result<lb_common::Liveness, StoreError> {
+        self.inner.liveness()
+    }
+    fn tracked_sockets(&self) -> Result<Vec<(u64, lb_common::TrackedSocket)>, StoreError> {
+        self.inner.tracked_sockets()
+    }
+    fn forget_socket(&mut self, cookie: u64) -> Result<bool, StoreError> {
+        self.inner.forget_socket(cookie)
+    }
+    fn socket_table(&self) -> Result<crate::dataplane::SocketTableUse, StoreError> {
+        self.inner.socket_table()
     }
 }
 
@@ -528,4 +553,160 @@ fn a_backend_back_from_down_ramps_its_share_in_steps_then_has_its_weight() {
         owner.record_probe(2, &Err(ProbeFailure::Refused), "ok");
     }
     assert_eq!(owner.ramp_step(2), None);
+}
+
+#[test]
+fn pinned_ids_are_not_read_when_a_count_cannot_be() {
+    let (_, mut maps) = written();
+    maps.conns.insert(
+        1,
+        lb_common::BackendConns {
+            live: 3,
+            ..Default::default()
+        },
+    );
+    assert!(known_ids(&maps).unwrap().busy.contains(&1));
+    maps.unreadable_conns.insert(2);
+    assert!(
+        known_ids(&maps).is_err(),
+        "an unreadable count is an error, not an idle backend whose id can go"
+    );
+}
+
+const THREE: &str = r#"
+    [[service]]
+    name = "api"
+    vips = ["127.0.0.1:6444"]
+    backends = ["127.0.0.2:1", "127.0.0.3:1", "127.0.0.4:1"]
+    health = { fall = 2 }
+"#;
+
+/// An owner whose three backends passed their first probe.
+fn settled_three() -> Owner {
+    let mut owner = owner(THREE);
+    for id in 0..3 {
+        owner.record_probe(id, &Ok(()), "ok");
+    }
+    owner
+}
+
+fn slow() -> Result<(), ProbeFailure> {
+    Err(ProbeFailure::TimedOut(Duration::from_secs(1)))
+}
+
+/// Feeds failures until the backend is down; returns the verdict on its
+/// connections.
+fn fail_until_down(owner: &mut Owner, id: u32) -> CloseVerdict {
+    for _ in 0..2 {
+        if let (Some(transition), _) = owner.record_probe(id, &slow(), "ok") {
+            assert!(!transition.healthy);
+            return owner.after_down(id);
+        }
+    }
+    panic!("backend {id} never went down");
+}
+
+#[test]
+fn close_on_failure_closes_only_toward_somewhere_better() {
+    // One fails while the others pass: closed at once.
+    let mut owner = settled_three();
+    assert_eq!(fail_until_down(&mut owner, 0), CloseVerdict::Close);
+
+    // One fails while another is failing too, the third healthy and
+    // passing: still somewhere better.
+    let mut owner = settled_three();
+    owner.record_probe(1, &slow(), "ok");
+    assert_eq!(fail_until_down(&mut owner, 0), CloseVerdict::Close);
+
+    // Every other healthy backend fails its probes too: the close waits,
+    // and happens once one of them passes.
+    let mut owner = settled_three();
+    owner.record_probe(1, &slow(), "ok");
+    owner.record_probe(2, &slow(), "ok");
+    assert_eq!(fail_until_down(&mut owner, 0), CloseVerdict::Wait);
+    assert_eq!(owner.released_closes(), vec![], "nothing better yet");
+    owner.record_probe(2, &Ok(()), "ok");
+    assert_eq!(owner.released_closes(), vec![(0, addr("127.0.0.2:1"))]);
+    assert_eq!(owner.released_closes(), vec![], "released once");
+
+    // A held backend that comes back needs no close.
+    let mut owner = settled_three();
+    owner.record_probe(1, &slow(), "ok");
+    owner.record_probe(2, &slow(), "ok");
+    assert_eq!(fail_until_down(&mut owner, 0), CloseVerdict::Wait);
+    for _ in 0..3 {
+        owner.record_probe(0, &Ok(()), "ok");
+    }
+    owner.after_up(0);
+    owner.record_probe(1, &Ok(()), "ok");
+    assert_eq!(owner.released_closes(), vec![]);
+}
+
+/// Every server slow: each goes down in turn, none is ever a better place,
+/// so nothing is closed; the last one keeps its connections (said once),
+/// and the recovery closes nothing.
+#[test]
+fn when_every_server_is_slow_no_connection_is_closed() {
+    let mut owner = settled_three();
+    let mut verdicts = Vec::new();
+    for round in 0..2 {
+        for id in 0..3 {
+            if let (Some(_), _) = owner.record_probe(id, &slow(), "ok") {
+                verdicts.push(owner.after_down(id));
+            }
+            assert!(
+                owner.released_closes().is_empty(),
+                "round {round}, backend {id}"
+            );
+        }
+    }
+    assert_eq!(
+        verdicts,
+        vec![
+            CloseVerdict::Wait,
+            CloseVerdict::Wait,
+            CloseVerdict::Keep { first: true }
+        ]
+    );
+    // Health comes back one by one: quietly.
+    let mut recovered = Vec::new();
+    for id in 0..3 {
+        for _ in 0..2 {
+            if let (Some(transition), _) = owner.record_probe(id, &Ok(()), "ok") {
+                assert!(transition.healthy);
+                recovered.extend(owner.after_up(id));
+            }
+        }
+        assert!(owner.released_closes().is_empty(), "no herd of closes");
+    }
+    assert_eq!(recovered, vec!["api".to_string()], "said once");
+}
+
+#[test]
+fn a_removed_backend_keeps_its_connections_when_none_would_take_them() {
+    let mut owner = settled_three();
+    for id in 0..3 {
+        for _ in 0..2 {
+            owner.record_probe(id, &slow(), "ok");
+        }
+    }
+    let smaller = r#"
+        [[service]]
+        name = "api"
+        vips = ["127.0.0.1:6444"]
+        backends = ["127.0.0.2:1", "127.0.0.3:1"]
+        health = { fall = 2 }
+    "#;
+    let layout = Layout::from_config(&parse_toml(smaller).unwrap(), |_| false);
+    let changes = owner.reconfigure(layout);
+    assert_eq!(
+        changes.removed,
+        vec![(addr("127.0.0.4:1"), Departure::NoneHealthy)]
+    );
+    let mut owner = settled_three();
+    let layout = Layout::from_config(&parse_toml(smaller).unwrap(), |_| false);
+    assert_eq!(
+        owner.reconfigure(layout).removed,
+        vec![(addr("127.0.0.4:1"), Departure::Close)]
+    );
 }

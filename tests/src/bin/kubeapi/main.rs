@@ -4,9 +4,6 @@
 //! signed by its own CA, as a kubelet's kubeconfig does. Tests drive it
 //! through a plain-HTTP admin API on loopback (`socklb_tests::kube`).
 //!
-//! Usage: kubeapi --listen ADDR:PORT --dir DIR [--admin ADDR:PORT]
-//!        [--kubeconfig-server URL] [--bookmark-interval-ms N] [--max-seconds N]
-//!
 //! DIR receives ca.pem, server.pem, client.pem (each with its -key.pem),
 //! a kubeconfig, state.json (the slices and the resource version, which a
 //! restarted server keeps as one backed by etcd does), and `ready` last,
@@ -44,10 +41,14 @@ use std::{
     time::Duration,
 };
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
+use clap::Parser;
 use hyper::{server::conn::http1, service::service_fn};
 use hyper_util::rt::{TokioIo, TokioTimer};
-use socklb_tests::kube::{Faults, KubeApiStats, files};
+use socklb_tests::{
+    cli::{millis, seconds},
+    kube::{Faults, KubeApiStats, files},
+};
 use tokio::{net::TcpListener, sync::watch as signal};
 use tokio_rustls::TlsAcceptor;
 
@@ -60,69 +61,47 @@ use crate::{
 
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// A test Kubernetes apiserver (see the module documentation).
+#[derive(Debug, Parser)]
+#[command(name = "kubeapi")]
 struct Args {
+    /// Where the API listens (TLS).
+    #[arg(long)]
     listen: SocketAddr,
+    /// The server's directory (PKI, kubeconfig, state, `ready`).
+    #[arg(long)]
     dir: PathBuf,
+    /// Where the admin API listens (plain HTTP, loopback only).
+    #[arg(long, value_parser = loopback_addr)]
     admin: Option<SocketAddr>,
+    /// `server:` of the kubeconfig, for a client that reaches the API
+    /// through a VIP.
+    #[arg(long)]
     kubeconfig_server: Option<String>,
+    /// Interval of BOOKMARK events (at least 1 ms).
+    #[arg(
+        long = "bookmark-interval-ms",
+        value_name = "MS",
+        default_value = "1000",
+        value_parser = millis
+    )]
     bookmark_interval: Duration,
+    /// The server's bound: an orphan ends by itself.
+    #[arg(long = "max-seconds", value_name = "S", default_value = "3600", value_parser = seconds)]
     max_lifetime: Duration,
 }
 
-const USAGE: &str = "usage: kubeapi --listen ADDR:PORT --dir DIR [--admin ADDR:PORT] \
-                     [--kubeconfig-server URL] [--bookmark-interval-ms N] [--max-seconds N]";
-
-impl Args {
-    fn parse() -> Result<Self> {
-        let mut listen = None;
-        let mut dir = None;
-        let mut admin = None;
-        let mut kubeconfig_server = None;
-        let mut bookmark_interval = Duration::from_millis(1000);
-        let mut max_lifetime = Duration::from_secs(3600);
-        let mut words = std::env::args().skip(1);
-        while let Some(flag) = words.next() {
-            let mut value = || {
-                words
-                    .next()
-                    .with_context(|| format!("{flag} needs a value; {USAGE}"))
-            };
-            match flag.as_str() {
-                "--listen" => listen = Some(parse_addr("--listen", &value()?)?),
-                "--dir" => dir = Some(PathBuf::from(value()?)),
-                "--admin" => admin = Some(parse_addr("--admin", &value()?)?),
-                "--kubeconfig-server" => kubeconfig_server = Some(value()?),
-                "--bookmark-interval-ms" => {
-                    let millis: u64 = value()?.parse().context("--bookmark-interval-ms")?;
-                    bookmark_interval = Duration::from_millis(millis.max(1));
-                }
-                "--max-seconds" => {
-                    max_lifetime = Duration::from_secs(value()?.parse().context("--max-seconds")?);
-                }
-                other => bail!("unknown argument {other}; {USAGE}"),
-            }
-        }
-        if let Some(admin) = admin
-            && !admin.ip().is_loopback()
-        {
-            bail!(
-                "--admin {admin}: the admin API has no authentication, so it listens on loopback only"
-            );
-        }
-        Ok(Self {
-            listen: listen.with_context(|| format!("--listen is required; {USAGE}"))?,
-            dir: dir.with_context(|| format!("--dir is required; {USAGE}"))?,
-            admin,
-            kubeconfig_server,
-            bookmark_interval,
-            max_lifetime,
-        })
+/// `--admin`: the admin API has no authentication, so only loopback.
+fn loopback_addr(text: &str) -> Result<SocketAddr, String> {
+    let addr: SocketAddr = text
+        .parse()
+        .map_err(|error| format!("{text}: expected ADDR:PORT ({error})"))?;
+    if !addr.ip().is_loopback() {
+        return Err(format!(
+            "{addr}: the admin API has no authentication, so it listens on loopback only"
+        ));
     }
-}
-
-fn parse_addr(flag: &str, text: &str) -> Result<SocketAddr> {
-    text.parse()
-        .with_context(|| format!("{flag} {text}: expected ADDR:PORT"))
+    Ok(addr)
 }
 
 #[derive(Default)]
@@ -320,13 +299,8 @@ async fn run(args: Args) -> Result<()> {
 }
 
 fn main() -> std::process::ExitCode {
-    let args = match Args::parse() {
-        Ok(args) => args,
-        Err(error) => {
-            eprintln!("kubeapi: {error:#}");
-            return std::process::ExitCode::from(2);
-        }
-    };
+    let mut args = Args::parse();
+    args.bookmark_interval = args.bookmark_interval.max(Duration::from_millis(1));
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

@@ -1,0 +1,145 @@
+//! Where the programs find what socklb knows of a socket: its record in
+//! the socket table, by cookie; or, for a socket redirected before an
+//! upgrade, the record an older layout kept (socket storage, or the first
+//! layout's LRU). The older places are read only while the loader says an
+//! upgrade left sockets there: otherwise the verifier removes those
+//! branches.
+
+use aya_ebpf::{
+    EbpfContext,
+    helpers::generated::{bpf_get_socket_cookie, bpf_sk_storage_get},
+    programs::{SockAddrContext, SockOpsContext},
+};
+use lb_common::{Endpoint, SocketRecord, TrackedSocket, features};
+
+use crate::{
+    has,
+    maps::{LEGACY_REDIRECTS, LEGACY_SOCKETS, SOCKET_TABLE},
+};
+
+/// `Found::origin`: the socket table.
+pub const ORIGIN_TABLE: u32 = 0;
+/// `Found::origin`: the previous layout's socket storage.
+pub const ORIGIN_STORAGE: u32 = 1;
+/// `Found::origin`: the first layout's LRU.
+pub const ORIGIN_LRU: u32 = 2;
+
+/// A socket's record as sock_ops finds it, in map memory, and where it
+/// lives. Plain fields, each written on every path: the verifier refuses
+/// a program that reads stack it never wrote unless it runs with
+/// CAP_PERFMON, which the DaemonSet does not grant, and the compiler may
+/// read both variants of an enum before choosing one.
+pub struct Found {
+    /// The record, read in place: valid while the socket lives (only its
+    /// own callbacks and its release take a table record away), and never
+    /// read after this program takes it away.
+    pub record: *mut SocketRecord,
+    /// `ORIGIN_*`. An LRU record is never updated in place.
+    pub origin: u32,
+    /// The socket's cookie (the key of the table and of the LRU).
+    pub cookie: u64,
+}
+
+impl Found {
+    #[inline(always)]
+    pub fn backend_id(&self) -> u32 {
+        unsafe { core::ptr::read_volatile(&raw const (*self.record).backend_id) }
+    }
+
+    #[inline(always)]
+    pub fn flags(&self) -> u32 {
+        unsafe { core::ptr::read_volatile(&raw const (*self.record).flags) }
+    }
+
+    /// Sets (or clears) flags of a table or storage record.
+    #[inline(always)]
+    pub fn set_flags(&self, flags: u32) {
+        if self.origin != ORIGIN_LRU {
+            unsafe { core::ptr::write_volatile(&raw mut (*self.record).flags, flags) };
+        }
+    }
+}
+
+/// The socket table's record of a socket.
+#[inline(always)]
+pub fn tracked(cookie: u64) -> Option<*mut TrackedSocket> {
+    SOCKET_TABLE.get_ptr_mut(cookie)
+}
+
+/// Takes a socket's record out of the table. True for the one caller that
+/// removed it: sock_ops and sock_release may both try, and only the one
+/// that removed the record may take its connection off the live count.
+#[inline(always)]
+pub fn forget(cookie: u64) -> bool {
+    SOCKET_TABLE.remove(cookie).is_ok()
+}
+
+/// The record of the socket of a sock_ops callback.
+#[inline(always)]
+pub fn for_sock_ops(ctx: &SockOpsContext) -> Option<Found> {
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    if let Some(tracked) = tracked(cookie) {
+        return Some(Found {
+            record: unsafe { &raw mut (*tracked).record },
+            origin: ORIGIN_TABLE,
+            cookie,
+        });
+    }
+    if has(features::LEGACY_STORAGE)
+        && let Some(stored) = stored_for_sock_ops(ctx)
+    {
+        return Some(Found {
+            record: stored,
+            origin: ORIGIN_STORAGE,
+            cookie,
+        });
+    }
+    if has(features::LEGACY_LRU) {
+        let record = LEGACY_REDIRECTS.get_ptr_mut(cookie)?;
+        return Some(Found {
+            record,
+            origin: ORIGIN_LRU,
+            cookie,
+        });
+    }
+    None
+}
+
+/// The previous layout's socket-storage record of a sock_ops socket.
+#[inline(always)]
+fn stored_for_sock_ops(ctx: &SockOpsContext) -> Option<*mut SocketRecord> {
+    // SAFETY: `sk` of a full socket (null otherwise, which the helper takes).
+    let sk = unsafe { (*ctx.ops).__bindgen_anon_2.sk };
+    if sk.is_null() {
+        return None;
+    }
+    let map = core::ptr::from_ref(&LEGACY_SOCKETS).cast_mut().cast();
+    let stored = unsafe { bpf_sk_storage_get(map, sk.cast(), core::ptr::null_mut(), 0) }
+        .cast::<SocketRecord>();
+    (!stored.is_null()).then_some(stored)
+}
+
+/// The VIP that a getpeername of this socket shows, if socklb redirected
+/// it and its peer is still the backend it was sent to (a socket that
+/// reconnected elsewhere is shown as it is). Compared and read in place.
+#[inline(always)]
+pub fn vip_for_peer(ctx: &SockAddrContext, peer: &Endpoint) -> Option<Endpoint> {
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    if let Some(tracked) = tracked(cookie) {
+        // SAFETY: a value of the table, alive while this socket is.
+        let record = unsafe { &(*tracked).record };
+        return (record.backend == *peer).then_some(record.vip);
+    }
+    if has(features::LEGACY_STORAGE) {
+        let stored = unsafe { LEGACY_SOCKETS.get_ptr_mut(ctx) };
+        if !stored.is_null() {
+            let record = unsafe { &*stored };
+            return (record.backend == *peer).then_some(record.vip);
+        }
+    }
+    if has(features::LEGACY_LRU) {
+        let record = unsafe { LEGACY_REDIRECTS.get(cookie) }?;
+        return (record.backend == *peer).then_some(record.vip);
+    }
+    None
+}

@@ -512,11 +512,17 @@ fn receive_dump(request: &[u8], mut each: impl FnMut(Dumped)) -> io::Result<()> 
 
 /// Keeps in `cookies` only those of no live TCP socket of this network
 /// namespace (both families): what the sweep of the socket table asks.
-/// Memory stays bounded by `cookies`, whatever the namespace holds.
-/// Blocking.
-pub fn retain_gone(cookies: &mut std::collections::HashSet<u64>) -> io::Result<()> {
+/// With `destinations`, the kernel reports only the sockets connected to
+/// one of them (the filter of the rebalancer's close step), so the dump
+/// costs what socklb's own sockets cost, not what the namespace holds.
+/// Memory stays bounded by `cookies`. Blocking.
+pub fn retain_gone(
+    cookies: &mut std::collections::HashSet<u64>,
+    destinations: Option<&[SocketAddr]>,
+) -> io::Result<()> {
+    let filter = destinations.map(destination_filter).unwrap_or_default();
     for family in [AF_INET, AF_INET6] {
-        dump_each(family, None, &[], false, |dumped| {
+        dump_each(family, None, &filter, false, |dumped| {
             cookies.remove(&cookie(&dumped.id));
         })?;
     }

@@ -134,6 +134,13 @@ fn with_the_daemon_gone_connects_reach_the_listener_and_come_back_with_it() {
         Some(&0.0),
         "{samples:?}"
     );
+    assert_eq!(
+        samples.get(&format!(
+            "socklb_hand_back_since_timestamp_seconds{{service=\"{service}\"}}"
+        )),
+        Some(&0.0),
+        "{samples:?}"
+    );
 
     let mut run = ClientRun::new(vip, Some(&setup.cgroup.path), 3000);
     run.interval_ms = 10;

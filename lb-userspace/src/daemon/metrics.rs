@@ -420,6 +420,34 @@ fn encode_hand_back(
                 )
             })
             .collect(),
+    )?;
+    // The daemon serves this, so it shows a hand-back only while the
+    // daemon lives: during a takeover (a start that found the VIPs handed
+    // back waits for every verdict) or with a stalled event loop. While
+    // the daemon is gone the scrape itself fails, and `socklb status`
+    // (which reads the kernel alone) says since when.
+    let now = std::time::SystemTime::now();
+    encode_family(
+        encoder,
+        "socklb_hand_back_since_timestamp_seconds",
+        "Since when (Unix time) the kernel hands the service's VIPs back, 0 while it does not",
+        report
+            .services
+            .iter()
+            .map(|service| {
+                let since = service
+                    .when_daemon_gone
+                    .handed_back_for_ms
+                    .filter(|_| service.when_daemon_gone.handed_back)
+                    .and_then(|for_ms| now.checked_sub(Duration::from_millis(for_ms)))
+                    .and_then(|since| since.duration_since(std::time::UNIX_EPOCH).ok())
+                    .map_or(0, |since| since.as_secs() as i64);
+                (
+                    labels(&[("service", &service.name)]),
+                    ConstGauge::new(since),
+                )
+            })
+            .collect(),
     )
 }
 

@@ -14,6 +14,7 @@
 use std::{
     collections::HashSet,
     io,
+    net::SocketAddr,
     os::fd::{AsRawFd, BorrowedFd},
     time::{Duration, Instant},
 };
@@ -90,6 +91,35 @@ pub fn checkable(records: &[(u64, TrackedSocket)], host_netns_cookie: u64) -> Ha
         .map(|(cookie, _)| *cookie)
         .collect()
 }
+
+/// Where the checkable records' sockets are connected, each address once,
+/// so that the dump asks the kernel only for sockets to those (a local
+/// user's thousands of other sockets cost the sweep nothing). None when
+/// there are more than a filter should hold, or a record's backend is not
+/// an address: the dump then takes every socket.
+pub fn backends_of(
+    records: &[(u64, TrackedSocket)],
+    checkable: &HashSet<u64>,
+) -> Option<Vec<SocketAddr>> {
+    let mut backends: Vec<SocketAddr> = Vec::new();
+    for (_, tracked) in records
+        .iter()
+        .filter(|(cookie, _)| checkable.contains(cookie))
+    {
+        let backend = crate::convert::socket_addr(&tracked.record.backend)?;
+        if !backends.contains(&backend) {
+            if backends.len() == MAX_FILTERED_BACKENDS {
+                return None;
+            }
+            backends.push(backend);
+        }
+    }
+    Some(backends)
+}
+
+/// The most backends the sweep's dump filters on: one condition each, 32
+/// bytes at most, well inside a netlink attribute.
+const MAX_FILTERED_BACKENDS: usize = 256;
 
 /// Decides one pass (pure). `gone` holds the checkable cookies that the
 /// dump, made after `records` were read, did not see: a socket that
@@ -183,7 +213,7 @@ impl Sweeper {
         &mut self,
         maps: &mut dyn MapStore,
         host_netns_cookie: u64,
-        retain_gone: impl FnOnce(&mut HashSet<u64>) -> io::Result<()>,
+        retain_gone: impl FnOnce(&mut HashSet<u64>, Option<&[SocketAddr]>) -> io::Result<()>,
         mut uncount: impl FnMut(u32) -> bool,
     ) -> Result<Swept, SweepError> {
         let started = Instant::now();
@@ -191,7 +221,10 @@ impl Sweeper {
         let records = maps.tracked_sockets()?;
         let mut gone = checkable(&records, host_netns_cookie);
         let unchecked = records.len() - gone.len();
-        retain_gone(&mut gone).map_err(SweepError::Dump)?;
+        if !gone.is_empty() {
+            let backends = backends_of(&records, &gone);
+            retain_gone(&mut gone, backends.as_deref()).map_err(SweepError::Dump)?;
+        }
         let plan = plan_sweep(&records, &gone, &self.suspects);
         self.suspects = plan.suspects;
         self.confirmed = !self.suspects.is_empty() && !self.confirmed;
@@ -343,6 +376,52 @@ mod tests {
     }
 
     #[test]
+    fn the_dump_asks_only_for_the_records_backends() {
+        let to = |backend: &str| TrackedSocket {
+            record: SocketRecord {
+                backend: crate::convert::endpoint(&backend.parse().unwrap()),
+                ..SocketRecord::default()
+            },
+            netns_cookie: HOST,
+        };
+        let records = [
+            (1, to("198.18.0.1:6443")),
+            (2, to("198.18.0.2:6443")),
+            (3, to("198.18.0.1:6443")),
+            (4, to("[fd00::1]:6443")),
+        ];
+        let backends = |checkable: &[u64]| {
+            backends_of(&records, &checkable.iter().copied().collect())
+                .map(|backends| backends.iter().map(ToString::to_string).collect::<Vec<_>>())
+        };
+        assert_eq!(
+            backends(&[1, 2, 3, 4]).unwrap(),
+            ["198.18.0.1:6443", "198.18.0.2:6443", "[fd00::1]:6443"],
+            "each address once"
+        );
+        assert_eq!(
+            backends(&[3]).unwrap(),
+            ["198.18.0.1:6443"],
+            "only the checkable"
+        );
+        let odd = [(1, to("198.18.0.1:6443")), (2, tracked(HOST, 0))];
+        assert_eq!(
+            backends_of(&odd, &[1, 2].into()),
+            None,
+            "a record without an address: every socket"
+        );
+        let many: Vec<(u64, TrackedSocket)> = (0..=MAX_FILTERED_BACKENDS as u64)
+            .map(|index| (index, to(&format!("198.18.1.1:{}", 1000 + index))))
+            .collect();
+        let all: HashSet<u64> = many.iter().map(|(cookie, _)| *cookie).collect();
+        assert_eq!(backends_of(&many, &all), None, "too many for a filter");
+        assert_eq!(
+            backends_of(&many[1..], &all).map(|backends| backends.len()),
+            Some(MAX_FILTERED_BACKENDS)
+        );
+    }
+
+    #[test]
     fn a_pass_removes_and_uncounts_what_it_removed() {
         let mut maps = crate::dataplane::MemoryMaps::default();
         maps.tracked.insert(1, tracked(HOST, SOCKET_FLAG_LIVE));
@@ -350,7 +429,7 @@ mod tests {
         maps.tracked.insert(3, tracked(HOST, 0));
         let mut sweeper = Sweeper::new();
         let mut uncounted = Vec::new();
-        let retain_gone = |cookies: &mut HashSet<u64>| {
+        let retain_gone = |cookies: &mut HashSet<u64>, _: Option<&[SocketAddr]>| {
             cookies.remove(&3);
             Ok(())
         };
@@ -381,11 +460,12 @@ mod tests {
         let mut sweeper = Sweeper::new();
         assert!(sweeper.next <= started + SWEEP_SOON + Duration::from_millis(100));
         // `retain_gone` keeps the cookies of sockets the dump did not see.
-        let none_gone = |cookies: &mut HashSet<u64>| -> io::Result<()> {
+        let none_gone = |cookies: &mut HashSet<u64>, _: Option<&[SocketAddr]>| -> io::Result<()> {
             cookies.clear();
             Ok(())
         };
-        let all_gone = |_: &mut HashSet<u64>| -> io::Result<()> { Ok(()) };
+        let all_gone =
+            |_: &mut HashSet<u64>, _: Option<&[SocketAddr]>| -> io::Result<()> { Ok(()) };
         let soon = |sweeper: &Sweeper| sweeper.next <= Instant::now() + SWEEP_SOON;
         // Socket 1 is missing: the confirming pass comes soon, once.
         sweeper.pass(&mut maps, HOST, all_gone, |_| true).unwrap();

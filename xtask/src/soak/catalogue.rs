@@ -275,7 +275,10 @@ pub const CATALOGUE: &[FaultSpec] = &[
         Group::Daemon,
         2,
         (3_000, 6_000),
-        &[Resource::ConfigFile],
+        // The daemon too: a socklb started while the invalid file is in
+        // place refuses it and exits 2, as it must (seed 707661646: a
+        // daemon-kill's restart inside this fault was counted as a crash).
+        &[Resource::ConfigFile, Resource::Daemon],
     ),
     FaultSpec {
         variants: 3,

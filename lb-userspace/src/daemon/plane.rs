@@ -231,7 +231,8 @@ impl DataPlane {
     pub fn close_after_write(&mut self, addr: SocketAddr, written: bool) {
         if written {
             self.close_failed(addr);
-        } else if self.features.sock_destroy {
+        } else if self.features.sock_destroy && !self.pending_closes.contains(&addr) {
+            // Once per address, however many writes fail meanwhile.
             self.pending_closes.push(addr);
         }
     }

@@ -3,7 +3,7 @@
 //! differs from what socklb wrote is repaired at once, with one WARN line
 //! that says what changed and what was done.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 
 use tracing::warn;
 
@@ -15,11 +15,23 @@ use crate::{
     errors,
 };
 
+/// A problem the pass cannot repair yet. One entry per kind (a map pin
+/// counts by its name), so what the verifier remembers is bounded by what
+/// socklb owns, whatever the errors say.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Unrepairable {
+    MapPin(&'static str),
+    CgroupGone,
+    SkMsg,
+    ReadMaps,
+}
+
 /// Remembers the problems that cannot be repaired yet (a cgroup that is
-/// gone), so that each is said once, and again once it is over.
+/// gone), so that each is said once while it lasts, and forgotten once its
+/// check passes.
 #[derive(Debug, Default)]
 pub struct Verifier {
-    unrepairable: HashSet<String>,
+    unrepairable: HashMap<Unrepairable, String>,
 }
 
 impl Verifier {
@@ -42,7 +54,12 @@ impl Verifier {
     }
 
     fn map_pins(&mut self, paths: &PinPaths, running: &mut Running, done: &mut Vec<usize>) {
-        for name in install::missing_map_pins(paths, &running.maps, &running.pinned) {
+        let missing = install::missing_map_pins(paths, &running.maps, &running.pinned);
+        self.unrepairable.retain(|kind, _| match kind {
+            Unrepairable::MapPin(name) => missing.contains(name),
+            _ => true,
+        });
+        for name in missing {
             let path = paths.map(name);
             match install::repin_map(paths, &running.maps, name) {
                 Ok(()) => {
@@ -52,27 +69,31 @@ impl Verifier {
                     );
                     done.push(lb_common::repair::MAP_PIN);
                 }
-                Err(error) => self.say_once(format!(
-                    "{} was removed by someone else and pinning it again failed: {}",
-                    path.display(),
-                    errors::chain(&error)
-                )),
+                Err(error) => self.say_once(
+                    Unrepairable::MapPin(name),
+                    format!(
+                        "{} was removed by someone else and pinning it again failed: {}",
+                        path.display(),
+                        errors::chain(&error)
+                    ),
+                ),
             }
         }
     }
 
     fn links(&mut self, running: &mut Running, owner: &mut Owner, done: &mut Vec<usize>) {
         let problems = running.attachment.check();
-        let gone = problems.contains(&LinkProblem::CgroupGone);
-        let gone_text = format!(
-            "the cgroup {} socklb attaches to was removed; nothing is redirected until a cgroup is created there again",
-            running.attachment.cgroup().path.display()
-        );
-        if gone {
-            self.say_once(gone_text);
+        if problems.contains(&LinkProblem::CgroupGone) {
+            self.say_once(
+                Unrepairable::CgroupGone,
+                format!(
+                    "the cgroup {} socklb attaches to was removed; nothing is redirected until a cgroup is created there again",
+                    running.attachment.cgroup().path.display()
+                ),
+            );
             return;
         }
-        if self.unrepairable.remove(&gone_text) {
+        if self.forget(Unrepairable::CgroupGone) {
             warn!(
                 "a cgroup exists again at {}",
                 running.attachment.cgroup().path.display()
@@ -110,22 +131,27 @@ impl Verifier {
     /// would say so.
     fn sk_msg(&mut self, paths: &PinPaths, running: &mut Running, done: &mut Vec<usize>) {
         if install::sk_msg_attached(running) != Some(false) {
+            self.forget(Unrepairable::SkMsg);
             return;
         }
         let sockhash = paths.map(names::SOCKHASH);
         match install::reattach_sk_msg(running, paths) {
             Ok(()) => {
+                self.forget(Unrepairable::SkMsg);
                 warn!(
                     "data plane: the sk_msg program was detached from {} by someone else; attached it again (connections paired meanwhile stay on the normal path)",
                     sockhash.display()
                 );
                 done.push(lb_common::repair::LINK);
             }
-            Err(error) => self.say_once(format!(
-                "data plane: the sk_msg program was detached from {} by someone else and attaching it again failed: {}",
-                sockhash.display(),
-                errors::chain(&error)
-            )),
+            Err(error) => self.say_once(
+                Unrepairable::SkMsg,
+                format!(
+                    "data plane: the sk_msg program was detached from {} by someone else and attaching it again failed: {}",
+                    sockhash.display(),
+                    errors::chain(&error)
+                ),
+            ),
         }
     }
 
@@ -133,13 +159,17 @@ impl Verifier {
         let drifts = match owner.verify(&running.maps) {
             Ok(drifts) => drifts,
             Err(error) => {
-                self.say_once(format!(
-                    "reading the maps to verify them failed: {}",
-                    errors::chain(&error)
-                ));
+                self.say_once(
+                    Unrepairable::ReadMaps,
+                    format!(
+                        "reading the maps to verify them failed: {}",
+                        errors::chain(&error)
+                    ),
+                );
                 return;
             }
         };
+        self.forget(Unrepairable::ReadMaps);
         if drifts.is_empty() {
             return;
         }
@@ -155,9 +185,17 @@ impl Verifier {
         }
     }
 
-    fn say_once(&mut self, text: String) {
-        if self.unrepairable.insert(text.clone()) {
+    /// Says `text` unless a problem of this kind is already said and not
+    /// over; a changed text for the same kind is not said again.
+    fn say_once(&mut self, kind: Unrepairable, text: String) {
+        if let std::collections::hash_map::Entry::Vacant(entry) = self.unrepairable.entry(kind) {
             warn!("{text}");
+            entry.insert(text);
         }
+    }
+
+    /// Forgets a problem whose check passed; returns whether it was said.
+    fn forget(&mut self, kind: Unrepairable) -> bool {
+        self.unrepairable.remove(&kind).is_some()
     }
 }

@@ -20,8 +20,8 @@ use lb_common::{
 
 use crate::{
     config::{
-        BackendRole, Config, HealthSettings, NoneHealthyPolicy, SelectionPolicy, WhenDaemonGone,
-        weight_divisor,
+        BackendRole, Config, HealthSettings, NoneHealthyPolicy, SelectionPolicy, Service,
+        WhenDaemonGone, weight_divisor,
     },
     convert::family_of,
     hand_back::HandBackChoice,
@@ -111,6 +111,37 @@ fn assign_ids(wanted: &[Option<u32>], limit: u32, busy: &HashSet<u32>) -> Vec<u3
     ids.into_iter().map(|id| id.unwrap_or(limit)).collect()
 }
 
+/// The SERVICES flags of a service: its policies, as the hook reads them.
+fn service_flags(service: &Service, hand_back: bool) -> u32 {
+    let mut flags = 0;
+    for (on, flag) in [
+        (
+            service.when_none_healthy == NoneHealthyPolicy::Reject,
+            SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY,
+        ),
+        (
+            service.policy == SelectionPolicy::LeastConn,
+            SERVICE_FLAG_LEAST_CONN,
+        ),
+        (
+            service.policy == SelectionPolicy::PreferLocal,
+            SERVICE_FLAG_PREFER_LOCAL,
+        ),
+        (service.all_netns, SERVICE_FLAG_ALL_NETNS),
+        (service.accelerate, SERVICE_FLAG_ACCELERATE),
+        (hand_back, SERVICE_FLAG_HAND_BACK),
+        (
+            service.when_daemon_gone == WhenDaemonGone::Auto,
+            SERVICE_FLAG_HAND_BACK_AUTO,
+        ),
+    ] {
+        if on {
+            flags |= flag;
+        }
+    }
+    flags
+}
+
 impl Layout {
     /// `is_local(ip)` says whether an address belongs to this host; it
     /// matters for the prefer-local policy and for acceleration. Ids follow
@@ -178,32 +209,11 @@ impl Layout {
         let mut tables = Vec::new();
         let mut next_backend_id = 0;
         for service in &config.services {
-            let mut flags = 0;
-            if service.when_none_healthy == NoneHealthyPolicy::Reject {
-                flags |= SERVICE_FLAG_REJECT_WHEN_NONE_HEALTHY;
-            }
-            if service.policy == SelectionPolicy::LeastConn {
-                flags |= SERVICE_FLAG_LEAST_CONN;
-            }
             let prefer_local = service.policy == SelectionPolicy::PreferLocal;
-            if prefer_local {
-                flags |= SERVICE_FLAG_PREFER_LOCAL;
-            }
-            if service.all_netns {
-                flags |= SERVICE_FLAG_ALL_NETNS;
-            }
-            if service.accelerate {
-                flags |= SERVICE_FLAG_ACCELERATE;
-            }
             let hand_back =
                 HandBackChoice::decide(service.when_daemon_gone, &service.vips, listeners);
             let hand_back_after = hand_back.hand_back.then_some(service.daemon_gone_after);
-            if hand_back.hand_back {
-                flags |= SERVICE_FLAG_HAND_BACK;
-            }
-            if service.when_daemon_gone == WhenDaemonGone::Auto {
-                flags |= SERVICE_FLAG_HAND_BACK_AUTO;
-            }
+            let flags = service_flags(service, hand_back.hand_back);
             for family in [FAMILY_V4, FAMILY_V6] {
                 let vips: Vec<SocketAddr> = service
                     .vips

@@ -206,6 +206,23 @@ impl Metrics {
             .observe(took.as_secs_f64());
     }
 
+    /// Removes the label sets of a backend that left its service, so the
+    /// families hold only the backends in force, however often addresses
+    /// change.
+    pub fn forget_backend(&self, service: &str, backend: SocketAddr) {
+        let backend = backend.to_string();
+        let pair = [("service", service), ("backend", backend.as_str())];
+        self.rebalance_moves.remove(&labels(&pair));
+        for to in ["healthy", "unhealthy"] {
+            self.transitions
+                .remove(&labels(&[pair[0], pair[1], ("to", to)]));
+        }
+        for result in ["ok", "failed"] {
+            self.probe_duration
+                .remove(&labels(&[pair[0], pair[1], ("result", result)]));
+        }
+    }
+
     pub fn reload(&self, result: &str) {
         self.reloads
             .get_or_create(&labels(&[("result", result)]))
@@ -660,5 +677,51 @@ async fn answer(
             "socklb: metrics at /metrics\n".into(),
         ),
         _ => reply(StatusCode::NOT_FOUND, "text/plain", "not found\n".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_backend_that_left_takes_its_label_sets_with_it() {
+        let metrics = Metrics::new();
+        let gone: SocketAddr = "127.0.0.2:6443".parse().unwrap();
+        let kept: SocketAddr = "127.0.0.3:6443".parse().unwrap();
+        for backend in [gone, kept] {
+            metrics.transition("api", backend, false);
+            metrics.transition("api", backend, true);
+            metrics.probe("api", backend, true, Duration::from_millis(3));
+            metrics.probe("api", backend, false, Duration::from_millis(500));
+            metrics.rebalanced("api", backend, 2);
+        }
+        // The same address in another service is another backend.
+        metrics.transition("etcd", gone, true);
+        let series = |text: &str, backend: &str| {
+            text.lines()
+                .filter(|line| !line.starts_with('#') && line.contains(backend))
+                .count()
+        };
+        let before = metrics.encode();
+        assert!(series(&before, "127.0.0.2:6443") > 0);
+        metrics.forget_backend("api", gone);
+        let after = metrics.encode();
+        let gone_lines: Vec<&str> = after
+            .lines()
+            .filter(|line| line.contains("127.0.0.2:6443"))
+            .collect();
+        assert_eq!(
+            gone_lines,
+            vec![
+                "socklb_backend_transitions_total{service=\"etcd\",backend=\"127.0.0.2:6443\",to=\"healthy\"} 1"
+            ],
+            "only the other service's series of that address stays"
+        );
+        assert_eq!(
+            series(&after, "127.0.0.3:6443"),
+            series(&before, "127.0.0.3:6443"),
+            "the backend still in force keeps every series"
+        );
     }
 }

@@ -204,6 +204,11 @@ impl Daemon {
         for addr in &changes.added {
             info!("{addr} added; it takes connections once a probe passes");
         }
+        // Label sets follow the backends: a cluster whose server addresses
+        // change keeps only its current ones.
+        for (service, addr) in &changes.dropped {
+            self.observer.metrics.forget_backend(service, *addr);
+        }
         self.sources.effective = checked.effective;
         let written = self.plane.write(&mut self.owner);
         for (addr, departure) in changes.removed {

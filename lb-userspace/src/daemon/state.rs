@@ -74,6 +74,9 @@ pub struct Reconfigured {
     /// Backends added to a service that already ran (they wait for a
     /// passed probe).
     pub added: Vec<SocketAddr>,
+    /// (service, address) pairs the new layout lacks: what is kept per
+    /// backend for them (metric label sets) is forgotten.
+    pub dropped: Vec<(String, SocketAddr)>,
 }
 
 /// A drain request that cannot be done.
@@ -238,6 +241,7 @@ impl Owner {
         }
         self.departed(&old_backends, &trackers, &mut changes);
         changes.removed.sort();
+        changes.dropped.sort();
         // Connections held or kept under the old layout stay where they
         // are.
         self.held.clear();
@@ -273,6 +277,7 @@ impl Owner {
                 continue;
             }
             changes.unprobe.push(backend.id);
+            changes.dropped.push((service.to_string(), *addr));
             if !still_listed.contains(addr) && !changes.removed.iter().any(|(a, _)| a == addr) {
                 let departure =
                     closes::departure(&self.layout, trackers, service, table.close_on_failure);

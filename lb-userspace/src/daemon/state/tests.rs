@@ -703,6 +703,11 @@ fn a_removed_backend_keeps_its_connections_when_none_would_take_them() {
         changes.removed,
         vec![(addr("127.0.0.4:1"), Departure::NoneHealthy)]
     );
+    assert_eq!(
+        changes.dropped,
+        vec![("api".to_string(), addr("127.0.0.4:1"))],
+        "the pair whose label sets are forgotten"
+    );
     let mut owner = settled_three();
     let layout = Layout::from_config(&parse_toml(smaller).unwrap(), |_| false);
     assert_eq!(

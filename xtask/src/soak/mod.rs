@@ -98,8 +98,12 @@ pub fn run(options: &Options) -> Result<()> {
     let seed = options.seed.unwrap_or_else(rng::fresh_seed);
     let target = crate::workspace_root().join("target/debug");
     // SAFETY: set before the run starts a thread; the helpers read them.
+    // A SOCKLB_BIN already set is kept: the daemon run under a profiler's
+    // wrapper, say (docs/testing.md).
     unsafe {
-        std::env::set_var("SOCKLB_BIN", target.join("socklb"));
+        if std::env::var_os("SOCKLB_BIN").is_none() {
+            std::env::set_var("SOCKLB_BIN", target.join("socklb"));
+        }
         std::env::set_var("LBCLIENT_BIN", target.join("lbclient"));
     }
     println!(
@@ -643,7 +647,7 @@ impl Soak {
         for (name, slope) in &slopes {
             // Only growth is a leak: a count that falls (threads of the
             // blocking pool ending) is not.
-            let Some(slope) = slope.filter(|slope| slope.grows()) else {
+            let Some(slope) = slope.filter(|slope| report::is_leak(name, slope)) else {
                 continue;
             };
             self.violations.push(Violation {

@@ -278,6 +278,17 @@ pub struct Sample {
     pub values: BTreeMap<String, f64>,
 }
 
+/// The daemon's resident memory (VmRSS), shown, not judged: it is the sum
+/// of the two below.
+pub const RSS: &str = "daemon RSS (KiB)";
+/// The daemon's anonymous resident memory (RssAnon): what it allocated.
+/// The memory a leak would grow.
+pub const RSS_ANON: &str = "daemon anonymous memory (KiB)";
+/// The daemon's file-backed resident memory (RssFile): pages of its binary
+/// and libraries. Shown, not judged: bounded by the files mapped, and paged
+/// in and out by the kernel.
+pub const RSS_FILE: &str = "daemon file-backed memory (KiB)";
+
 /// A number from /proc/PID/status (`VmRSS:  1234 kB`).
 fn proc_status(pid: u32, field: &str) -> Option<f64> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -291,7 +302,17 @@ fn proc_status(pid: u32, field: &str) -> Option<f64> {
 /// its cgroup.
 pub fn process_sample(pid: u32, cpu_cgroup: &Path, values: &mut BTreeMap<String, f64>) {
     if let Some(rss) = proc_status(pid, "VmRSS:") {
-        values.insert("daemon RSS (KiB)".into(), rss);
+        values.insert(RSS.into(), rss);
+    }
+    // RSS is the memory the daemon allocated (anonymous) plus the pages
+    // of its binary and libraries in memory (file-backed). Only the first
+    // can leak; the second grows as code runs for the first time, and
+    // shrinks when the kernel reclaims it under memory pressure.
+    if let Some(anon) = proc_status(pid, "RssAnon:") {
+        values.insert(RSS_ANON.into(), anon);
+    }
+    if let Some(file) = proc_status(pid, "RssFile:") {
+        values.insert(RSS_FILE.into(), file);
     }
     if let Some(threads) = proc_status(pid, "Threads:") {
         values.insert("daemon threads".into(), threads);

@@ -18,7 +18,7 @@ use super::{
     catalogue::{CATALOGUE, Group, ServerEffect},
     lifecycle::Lifecycle,
     load,
-    observe::Sample,
+    observe::{RSS, RSS_FILE, Sample},
     record::{Applied, Count, Invariant, LogLine},
     verdicts::{AddressBook, Bounds, Slope, slope},
 };
@@ -145,6 +145,31 @@ fn slopes_of(
 
 fn is_memory(name: &str) -> bool {
     name.contains("KiB")
+}
+
+/// Why a sampled figure is shown but its slope is no verdict; None for
+/// the figures a leak would grow.
+pub fn not_judged(name: &str) -> Option<&'static str> {
+    match name {
+        RSS => Some("shown: anonymous + file-backed"),
+        RSS_FILE => Some("shown: pages of the binary and libraries, paged in and out"),
+        _ => None,
+    }
+}
+
+/// Whether a sampled figure's slope is a leak: it is judged, and grows by
+/// more than the run can resolve.
+pub fn is_leak(name: &str, slope: &Slope) -> bool {
+    not_judged(name).is_none() && slope.grows()
+}
+
+/// The verdict column of the leak table.
+fn slope_verdict(name: &str, slope: &Slope) -> String {
+    match not_judged(name) {
+        Some(why) => format!("{} ({why})", slope.trend()),
+        None if slope.grows() => "**grows**".to_string(),
+        None => slope.trend().to_string(),
+    }
 }
 
 /// Drops the points of lives sampled for less than [`MEMORY_LIFE_MS`].
@@ -544,9 +569,12 @@ fn silent(text: &mut String, outcome: &Outcome) {
 fn leaks(text: &mut String, outcome: &Outcome) {
     let _ = writeln!(
         text,
-        "### {} — {}\n\nAfter the warm-up: socklb's RSS, descriptors, threads and its cgroup's tasks every {} s, \
-         from {} s into each of its lives, each life fitted around its own mean (a restart resets them; its RSS only \
-         over lives sampled {} min or more: a younger process is mostly warm-up); the entries \
+        "### {} — {}\n\nAfter the warm-up: socklb's memory, descriptors, threads and its cgroup's tasks every {} s, \
+         from {} s into each of its lives, each life fitted around its own mean (a restart resets them; its memory only \
+         over lives sampled {} min or more: a younger process is mostly warm-up). Its RSS is shown with its two parts: \
+         the anonymous memory is what it allocated, the memory a leak grows, and is judged; the file-backed part is the \
+         pages of its binary and libraries, which grow as code runs for the first time and shrink when the kernel \
+         reclaims them, and is shown, not judged. Also the entries \
          of every pinned map and the per-socket records of sockets that are no longer live at each quiet \
          checkpoint (once a minute, clients paused; the records of live sockets are shown, not judged: they follow \
          the connections open). The resolution is twice the slope's standard error, and at least one unit over the \
@@ -576,13 +604,7 @@ fn leaks(text: &mut String, outcome: &Outcome) {
                     fitted.per_hour,
                     fitted.resolution_per_hour,
                     fitted.samples,
-                    if fitted.grows() {
-                        "**grows**"
-                    } else if fitted.flat() {
-                        "flat"
-                    } else {
-                        "falls"
-                    }
+                    slope_verdict(name, fitted)
                 );
             }
             None => {
@@ -731,6 +753,7 @@ pub fn write(path: &Path, outcome: &Outcome) -> Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::soak::observe::RSS_ANON;
 
     #[test]
     fn memory_is_judged_only_over_long_lives() {
@@ -744,5 +767,39 @@ mod tests {
         assert_eq!(points.len(), 19);
         let fitted = slope(&points, 4.0).expect("a slope");
         assert!(fitted.flat(), "{fitted:?}");
+    }
+
+    #[test]
+    fn anonymous_memory_is_judged_and_rss_only_shown() {
+        let rising: Vec<(u64, f64, u32)> = (0..30)
+            .map(|minute| (minute * 60_000, 4_000.0 + minute as f64 * 10.0, 0))
+            .collect();
+        let grows = slope(&rising, 1.0).expect("a slope");
+        let level: Vec<(u64, f64, u32)> = (0..30)
+            .map(|minute| (minute * 60_000, 4_000.0, 0))
+            .collect();
+        let flat = slope(&level, 1.0).expect("a slope");
+        let cases = [
+            (RSS_ANON, &grows, true, "**grows**"),
+            (RSS_ANON, &flat, false, "flat"),
+            ("daemon fds", &grows, true, "**grows**"),
+            (RSS, &grows, false, "grows (shown: anonymous + file-backed)"),
+            (
+                RSS_FILE,
+                &grows,
+                false,
+                "grows (shown: pages of the binary and libraries, paged in and out)",
+            ),
+            (
+                RSS_FILE,
+                &flat,
+                false,
+                "flat (shown: pages of the binary and libraries, paged in and out)",
+            ),
+        ];
+        for (name, fitted, leak, column) in cases {
+            assert_eq!(is_leak(name, fitted), leak, "{name}: {fitted:?}");
+            assert_eq!(slope_verdict(name, fitted), column, "{name}");
+        }
     }
 }

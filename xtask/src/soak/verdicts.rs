@@ -367,6 +367,17 @@ impl Slope {
     pub fn grows(&self) -> bool {
         self.per_hour > self.resolution_per_hour
     }
+
+    /// "grows", "flat" or "falls", as the report says it.
+    pub fn trend(&self) -> &'static str {
+        if self.grows() {
+            "grows"
+        } else if self.flat() {
+            "flat"
+        } else {
+            "falls"
+        }
+    }
 }
 
 /// (time in ms, value, life) → slope per hour. `unit` is the value's

@@ -132,6 +132,12 @@ fn main() -> Result<()> {
                 toolchain::install_debian_packages(TEST_PACKAGES)?;
             }
             build_all()?;
+            // The daemon as it ships, a release build: its memory is judged
+            // over the run, and a debug build's frames and allocations are
+            // not what a node runs. A SOCKLB_BIN already set is kept.
+            if std::env::var_os("SOCKLB_BIN").is_none() {
+                bench::build_release(&workspace_root(), &[])?;
+            }
             soak::run(&soak::Options {
                 minutes,
                 seed,

@@ -346,10 +346,14 @@ fn target_dir(root: &Path) -> PathBuf {
 /// SOCKLB_BIN and LBCLIENT_BIN.
 pub fn build_release(root: &Path, helpers: &[&str]) -> Result<()> {
     crate::toolchain::build_ebpf()?;
-    println!(
-        "xtask: building socklb and {} (release)",
-        helpers.join(", ")
-    );
+    if helpers.is_empty() {
+        println!("xtask: building socklb (release)");
+    } else {
+        println!(
+            "xtask: building socklb and {} (release)",
+            helpers.join(", ")
+        );
+    }
     let mut command = crate::cargo();
     command.args([
         "build",

@@ -186,12 +186,56 @@ fn discovery_words(message: &str) -> Option<(&str, &str)> {
     rest.split_once(": ")
 }
 
-/// Counts per label set, from the log lines of one life.
+/// The backends a discovery or config line says left its service (the
+/// words after `discovery: SVC: `, as in `+A, -B (source)`).
+fn departed(rest: &str) -> impl Iterator<Item = SocketAddr> + '_ {
+    let words = rest.rsplit_once(" (").map_or(rest, |(words, _)| words);
+    words
+        .split(", ")
+        .filter_map(|word| word.strip_prefix('-')?.parse().ok())
+}
+
+/// Drops the counts of a backend's label sets, as the daemon does when it
+/// leaves its service.
+fn forget(counts: &mut BTreeMap<(String, String), f64>, service: &str, addr: SocketAddr) {
+    for to in ["healthy", "unhealthy"] {
+        counts.remove(&(
+            "socklb_backend_transitions_total".to_string(),
+            format!("{addr} {to}"),
+        ));
+    }
+    counts.remove(&(
+        "socklb_rebalance_moves_total".to_string(),
+        format!("{service} {addr}"),
+    ));
+}
+
+/// The result label of a reload line (`SIGHUP: …`, `config file changed:
+/// …`), as socklb_config_reloads_total counts it.
+fn reload_result(message: &str) -> Option<&'static str> {
+    if !(message.starts_with("SIGHUP: ") || message.starts_with("config file changed: ")) {
+        return None;
+    }
+    if message.contains(" is unchanged") {
+        Some("unchanged")
+    } else if message.contains(" applied (generation") {
+        Some("ok")
+    } else if message.contains(" is not valid;") || message.contains(" cannot be applied;") {
+        Some("error")
+    } else {
+        None
+    }
+}
+
+/// Counts per label set, from the log lines of one life. A backend that
+/// leaves its service takes its label sets with it (the daemon's
+/// `forget_backend`, right after the line that says so): one that comes
+/// back counts from zero.
 fn from_log(lines: &[LogLine], started_ms: u64) -> BTreeMap<(String, String), f64> {
     let mut counts: BTreeMap<(String, String), f64> = BTreeMap::new();
-    let mut add = |family: &str, key: String, by: f64| {
+    fn add(counts: &mut BTreeMap<(String, String), f64>, family: &str, key: String, by: f64) {
         *counts.entry((family.to_string(), key)).or_default() += by
-    };
+    }
     for line in lines_of(lines, started_ms) {
         let message = line.message();
         if let Some((addr, rest)) = message.split_once(' ')
@@ -199,38 +243,39 @@ fn from_log(lines: &[LogLine], started_ms: u64) -> BTreeMap<(String, String), f6
         {
             if rest.starts_with("healthy:") {
                 add(
+                    &mut counts,
                     "socklb_backend_transitions_total",
                     format!("{addr} healthy"),
                     1.0,
                 );
             } else if rest.starts_with("unhealthy:") {
                 add(
+                    &mut counts,
                     "socklb_backend_transitions_total",
                     format!("{addr} unhealthy"),
                     1.0,
                 );
             }
         }
-        if message.starts_with("SIGHUP: ") || message.starts_with("config file changed: ") {
-            let result = if message.contains(" is unchanged") {
-                "unchanged"
-            } else if message.contains(" applied (generation") {
-                "ok"
-            } else if message.contains(" is not valid;") || message.contains(" cannot be applied;")
-            {
-                "error"
-            } else {
-                continue;
-            };
-            add("socklb_config_reloads_total", result.into(), 1.0);
+        if let Some(result) = reload_result(message) {
+            add(
+                &mut counts,
+                "socklb_config_reloads_total",
+                result.into(),
+                1.0,
+            );
         }
         if let Some((service, rest)) = discovery_words(message) {
             if rest.starts_with('+') || rest.starts_with('-') {
+                for addr in departed(rest) {
+                    forget(&mut counts, service, addr);
+                }
                 if let Some(source) = rest
                     .rsplit_once(" (")
                     .map(|(_, source)| source.trim_end_matches(')'))
                 {
                     add(
+                        &mut counts,
                         "socklb_discovery_updates_total",
                         format!("{service} {source}"),
                         1.0,
@@ -241,6 +286,7 @@ fn from_log(lines: &[LogLine], started_ms: u64) -> BTreeMap<(String, String), f6
                 && let Some(source) = rest.split_whitespace().next()
             {
                 add(
+                    &mut counts,
                     "socklb_discovery_problems_total",
                     format!("{service} {source}"),
                     1.0,
@@ -256,6 +302,7 @@ fn from_log(lines: &[LogLine], started_ms: u64) -> BTreeMap<(String, String), f6
                 (count.parse::<f64>(), rest.split_whitespace().next())
         {
             add(
+                &mut counts,
                 "socklb_rebalance_moves_total",
                 format!("{service} {backend}"),
                 count,
@@ -469,7 +516,7 @@ mod tests {
                 "INFO socklb::daemon::reload: config file changed: /x/socklb.toml applied (generation 2)",
             ),
             line(
-                "INFO socklb::daemon::reload: discovery: api: +198.18.0.22:6443, -198.18.0.2:6443 (endpointslices)",
+                "INFO socklb::daemon::reload: discovery: api: +198.18.0.22:6443, -198.18.0.4:6443 (endpointslices)",
             ),
             line(
                 "WARN socklb::daemon::reload: discovery: api: endpointslices lists no backend; keeping its last known 5 backends",
@@ -517,6 +564,58 @@ mod tests {
             Some(5.0)
         );
         assert_eq!(counts.len(), 8, "{counts:?}");
+    }
+
+    #[test]
+    fn a_backend_that_leaves_its_service_counts_from_zero_when_it_returns() {
+        let lines = [
+            line("WARN socklb::daemon: 198.18.0.2:6443 unhealthy: no answer within 500ms (2/2)"),
+            line("INFO socklb::daemon: 198.18.0.2:6443 healthy: GET /readyz ok (2/2)"),
+            line(
+                "INFO socklb::daemon::routes: rebalance: api: closed 3 connections to 198.18.0.2:6443 (3 of uid 0 in cgroup 7)",
+            ),
+            line(
+                "INFO socklb::daemon::routes: rebalance: api: closed 2 connections to 198.18.0.3:6443 (2 of uid 0 in cgroup 7)",
+            ),
+            line(
+                "INFO socklb::daemon::reload: discovery: api: +198.18.0.22:6443, -198.18.0.2:6443 (endpointslices)",
+            ),
+            line(
+                "INFO socklb::daemon::reload: discovery: api: +198.18.0.2:6443, -198.18.0.22:6443 (endpointslices)",
+            ),
+            line("INFO socklb::daemon: 198.18.0.2:6443 healthy: GET /readyz ok (2/2)"),
+        ];
+        let counts = from_log(&lines, 0);
+        let get =
+            |family: &str, key: &str| counts.get(&(family.to_string(), key.to_string())).copied();
+        assert_eq!(
+            get(
+                "socklb_backend_transitions_total",
+                "198.18.0.2:6443 healthy"
+            ),
+            Some(1.0),
+            "only the transition after it came back"
+        );
+        assert_eq!(
+            get(
+                "socklb_backend_transitions_total",
+                "198.18.0.2:6443 unhealthy"
+            ),
+            None
+        );
+        assert_eq!(
+            get("socklb_rebalance_moves_total", "api 198.18.0.2:6443"),
+            None
+        );
+        assert_eq!(
+            get("socklb_rebalance_moves_total", "api 198.18.0.3:6443"),
+            Some(2.0),
+            "a backend that stayed keeps its counts"
+        );
+        assert_eq!(
+            get("socklb_discovery_updates_total", "api endpointslices"),
+            Some(2.0)
+        );
     }
 
     #[test]

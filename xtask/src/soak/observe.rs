@@ -289,6 +289,45 @@ pub const RSS_ANON: &str = "daemon anonymous memory (KiB)";
 /// in and out by the kernel.
 pub const RSS_FILE: &str = "daemon file-backed memory (KiB)";
 
+/// Where the anonymous memory is, shown, not judged (their sum is
+/// [`RSS_ANON`]): the main heap (`[heap]`, malloc's first arena), the main
+/// thread's stack, and the unnamed mappings (malloc's other arena, the
+/// runtime's thread stacks, what the runtime maps itself).
+pub const ANON_HEAP: &str = "daemon anonymous: [heap] (KiB)";
+pub const ANON_STACK: &str = "daemon anonymous: [stack] (KiB)";
+pub const ANON_UNNAMED: &str = "daemon anonymous: unnamed mappings (KiB)";
+
+/// The anonymous memory of /proc/PID/smaps by [`ANON_HEAP`],
+/// [`ANON_STACK`] and [`ANON_UNNAMED`]; what is mapped from a file (a
+/// binary's written data) is left out.
+fn anonymous_by_mapping(pid: u32, values: &mut BTreeMap<String, f64>) {
+    let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/smaps")) else {
+        return;
+    };
+    let (mut heap, mut stack, mut unnamed) = (0.0, 0.0, 0.0);
+    let mut current: Option<&str> = None;
+    for line in text.lines() {
+        let mut words = line.split_whitespace();
+        let first = words.next().unwrap_or_default();
+        if first.contains('-') && !first.ends_with(':') {
+            // A mapping's header: range, perms, offset, dev, inode, [name].
+            current = Some(words.nth(4).unwrap_or(""));
+        } else if first == "Anonymous:"
+            && let Some(kib) = words.next().and_then(|value| value.parse::<f64>().ok())
+        {
+            match current {
+                Some("[heap]") => heap += kib,
+                Some("[stack]") => stack += kib,
+                Some("") => unnamed += kib,
+                _ => {}
+            }
+        }
+    }
+    values.insert(ANON_HEAP.into(), heap);
+    values.insert(ANON_STACK.into(), stack);
+    values.insert(ANON_UNNAMED.into(), unnamed);
+}
+
 /// A number from /proc/PID/status (`VmRSS:  1234 kB`).
 fn proc_status(pid: u32, field: &str) -> Option<f64> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -314,6 +353,7 @@ pub fn process_sample(pid: u32, cpu_cgroup: &Path, values: &mut BTreeMap<String,
     if let Some(file) = proc_status(pid, "RssFile:") {
         values.insert(RSS_FILE.into(), file);
     }
+    anonymous_by_mapping(pid, values);
     if let Some(threads) = proc_status(pid, "Threads:") {
         values.insert("daemon threads".into(), threads);
     }
@@ -374,4 +414,29 @@ pub fn cpu_ticks(pid: u32) -> Option<u64> {
     let fields: Vec<&str> = text.rsplit_once(')')?.1.split_whitespace().collect();
     // Fields 14 and 15 (utime, stime), counted from the state (field 3).
     Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn anonymous_memory_by_mapping_sums_to_at_most_rss_anon() {
+        // Memory this process surely holds in its heap or an arena.
+        let held: Vec<u8> = vec![1; 4 << 20];
+        let pid = std::process::id();
+        let mut values = BTreeMap::new();
+        anonymous_by_mapping(pid, &mut values);
+        let parts = values[ANON_HEAP] + values[ANON_STACK] + values[ANON_UNNAMED];
+        let anon = proc_status(pid, "RssAnon:").expect("RssAnon");
+        assert!(parts >= 4096.0, "the 4 MiB held is in a part: {values:?}");
+        assert!(values[ANON_STACK] > 0.0, "the main stack: {values:?}");
+        // RssAnon counts the same pages; allow for what changed between
+        // the two reads.
+        assert!(parts <= anon + 1024.0, "{parts} of {anon}: {values:?}");
+        assert_eq!(
+            held.iter().map(|&byte| u64::from(byte)).sum::<u64>(),
+            4 << 20
+        );
+    }
 }

@@ -18,7 +18,7 @@ use super::{
     catalogue::{CATALOGUE, Group, ServerEffect},
     lifecycle::Lifecycle,
     load,
-    observe::{RSS, RSS_FILE, Sample},
+    observe::{ANON_HEAP, ANON_STACK, ANON_UNNAMED, RSS, RSS_FILE, Sample},
     record::{Applied, Count, Invariant, LogLine},
     verdicts::{AddressBook, Bounds, Slope, slope},
 };
@@ -153,6 +153,7 @@ pub fn not_judged(name: &str) -> Option<&'static str> {
     match name {
         RSS => Some("shown: anonymous + file-backed"),
         RSS_FILE => Some("shown: pages of the binary and libraries, paged in and out"),
+        ANON_HEAP | ANON_STACK | ANON_UNNAMED => Some("shown: where the anonymous memory is"),
         _ => None,
     }
 }
@@ -374,6 +375,23 @@ fn header(text: &mut String, outcome: &Outcome, minutes: f64) {
     );
 }
 
+/// Which socklb binary the run's daemon was (SOCKLB_BIN), as the report
+/// names it.
+fn daemon_build() -> String {
+    let path = std::env::var("SOCKLB_BIN").unwrap_or_default();
+    let root = crate::workspace_root();
+    let shown = std::path::Path::new(&path)
+        .strip_prefix(&root)
+        .map_or(path.clone(), |relative| relative.display().to_string());
+    if path.ends_with("/release/socklb") {
+        format!("`{shown}` (the release build, as it ships)")
+    } else if path.ends_with("/debug/socklb") {
+        format!("`{shown}` (a debug build)")
+    } else {
+        format!("`{shown}` (SOCKLB_BIN)")
+    }
+}
+
 fn setup(text: &mut String, outcome: &Outcome) {
     let bounds = outcome.bounds;
     let _ = writeln!(
@@ -392,6 +410,7 @@ fn setup(text: &mut String, outcome: &Outcome) {
          acceleration applies to; probe `http:/readyz`; acceleration toggled by a config edit) and `etcd` \
          (probe `etcd` with a client certificate); `--watch-config` and `--metrics-addr`. Health: interval {} ms, \
          timeout {} ms, rise {}, fall {}.\n\
+         - The daemon: {}.\n\
          - Clients in a child cgroup v2: {} new connections a second ({}% TLS), {} keep-alive clients in {} processes \
          with a request a second ({} of them watchers), an etcdctl call every {} s. Each new connection records where \
          the kernel sent it (a sock_diag lookup right after connect()).\n\
@@ -405,6 +424,7 @@ fn setup(text: &mut String, outcome: &Outcome) {
         super::config::TIMEOUT.as_millis(),
         super::config::RISE,
         super::config::FALL,
+        daemon_build(),
         load::SHORT_RATE,
         load::SHORT_TLS_PERCENT,
         load::KEEPALIVE_PROCESSES * load::KEEPALIVE_PER_PROCESS,
@@ -574,7 +594,9 @@ fn leaks(text: &mut String, outcome: &Outcome) {
          over lives sampled {} min or more: a younger process is mostly warm-up). Its RSS is shown with its two parts: \
          the anonymous memory is what it allocated, the memory a leak grows, and is judged; the file-backed part is the \
          pages of its binary and libraries, which grow as code runs for the first time and shrink when the kernel \
-         reclaims them, and is shown, not judged. Also the entries \
+         reclaims them, and is shown, not judged. Where the anonymous memory is (the main heap, the main thread's \
+         stack, the unnamed mappings: malloc's other arena and the runtime's thread stacks, from /proc/PID/smaps) is \
+         shown too. Also the entries \
          of every pinned map and the per-socket records of sockets that are no longer live at each quiet \
          checkpoint (once a minute, clients paused; the records of live sockets are shown, not judged: they follow \
          the connections open). The resolution is twice the slope's standard error, and at least one unit over the \

@@ -28,18 +28,29 @@ pub fn old_socklb_bin() -> PathBuf {
 ///
 /// The build takes what that commit needs and nothing more: its eBPF
 /// object (nightly, as its `cargo xtask build-ebpf` did, without building
-/// its xtask) and its `socklb` binary alone. With sccache on PATH it
-/// shares the compile cache of this workspace's build (same profile, so
-/// the dependencies both use are cache hits); without it, it leaves out
-/// debug info, which the test has no use for. The build tree is removed
-/// once the binary is cached.
+/// its xtask) and its `socklb` binary alone. Every old commit builds in
+/// one tree, target/old-build, so the second reuses the dependencies the
+/// first compiled (the 178 packages of the first layout's lock are all in
+/// the later one's, at the same versions). With sccache on PATH it shares
+/// the compile cache of this workspace's build too; without it, it leaves
+/// out debug info, which the test has no use for.
 pub fn old_socklb_bin_at(commit: &str) -> PathBuf {
-    let base = crate::socklb_bin()
+    let target = crate::socklb_bin()
         .parent()
         .and_then(Path::parent)
         .expect("target/<profile>/socklb")
-        .join(format!("old-{commit}"));
+        .to_path_buf();
+    let base = target.join(format!("old-{commit}"));
     let binary = base.join("socklb");
+    if binary.exists() {
+        return binary;
+    }
+    // One build at a time in the shared tree: each copies its binary out
+    // of target/old-build/debug before the next can overwrite it.
+    let build = target.join("old-build");
+    std::fs::create_dir_all(&build).expect("the old builds' directory");
+    let lock = std::fs::File::create(build.join("build.lock")).expect("the old builds' lock");
+    lock.lock().expect("locking the old builds' directory");
     if binary.exists() {
         return binary;
     }
@@ -52,7 +63,7 @@ pub fn old_socklb_bin_at(commit: &str) -> PathBuf {
     );
     let started = Instant::now();
     let _ = std::fs::remove_dir_all(&base);
-    let (source, build) = (base.join("src"), base.join("target"));
+    let source = base.join("src");
     std::fs::create_dir_all(&source).expect("old source directory");
     extract(commit, &source);
     // A commit whose build.rs takes a prebuilt object (SOCKLB_EBPF_OBJECT)
@@ -65,7 +76,6 @@ pub fn old_socklb_bin_at(commit: &str) -> PathBuf {
     std::fs::copy(&built, &partial).expect("copying the old socklb");
     std::fs::rename(&partial, &binary).expect("caching the old socklb");
     let _ = std::fs::remove_dir_all(&source);
-    let _ = std::fs::remove_dir_all(&build);
     let _ = writeln!(
         std::io::stderr(),
         "upgrade: built socklb {commit} in {} s",

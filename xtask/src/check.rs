@@ -53,7 +53,7 @@ pub fn run() -> Result<()> {
     with_object(&mut clippy);
     step("clippy --all-targets -D warnings", &mut clippy)?;
     // The fuzz targets live outside the workspace (cargo fuzz builds them
-    // with nightly's sanitizers), so clippy never sees them: compile them
+    // with nightly and libFuzzer), so clippy never sees them: compile them
     // here, so that a changed config type breaks this tier, not the fuzzing.
     let mut fuzz = cargo();
     fuzz.args(["check", "--quiet", "--bins", "--no-default-features"])

@@ -42,6 +42,11 @@ enum Verb {
     /// Install the test dependencies (Debian packages, and target/pyenv with
     /// the Python Kubernetes client) and run every test (needs root).
     Test {
+        /// Also build the release socklb that `test-deploy` ships, in the
+        /// background while the tests run (nice 19, one job): CI's way to
+        /// spend the CPU the suites leave idle.
+        #[arg(long)]
+        release_in_background: bool,
         /// Extra arguments for `cargo test`, after `--`.
         #[arg(last = true)]
         cargo_args: Vec<String>,
@@ -104,7 +109,10 @@ fn main() -> Result<()> {
         Verb::BuildEbpf => toolchain::build_ebpf(),
         Verb::Build => build_all(),
         Verb::Check => check::run(),
-        Verb::Test { cargo_args } => test(&cargo_args),
+        Verb::Test {
+            release_in_background,
+            cargo_args,
+        } => test(release_in_background, &cargo_args),
         Verb::Image => {
             let image = image::build()?;
             println!("{image}");
@@ -222,13 +230,16 @@ const TEST_PACKAGES: &[(&str, &str)] = &[
     ("openssl", "openssl"),
 ];
 
-fn test(cargo_args: &[String]) -> Result<()> {
+fn test(release_in_background: bool, cargo_args: &[String]) -> Result<()> {
     if !is_root() {
         bail!("cargo xtask test loads eBPF programs and creates cgroups: run it as root");
     }
     toolchain::install_debian_packages(TEST_PACKAGES)?;
     let python = toolchain::ensure_python_env()?;
     build_all()?;
+    let release = release_in_background
+        .then(image::start_release_build)
+        .transpose()?;
     sweep_leftovers();
     let target = workspace_root().join("target/debug");
     // The scenario suites append their figures here; printed at the end.
@@ -262,7 +273,8 @@ fn test(cargo_args: &[String]) -> Result<()> {
         report: workspace_root().join("target/soak/SOAK.md"),
     })?;
     // A short bounded pass; `cargo xtask fuzz --seconds N` runs longer.
-    fuzz::run(FUZZ_SECONDS_IN_TEST)
+    fuzz::run(FUZZ_SECONDS_IN_TEST)?;
+    release.map_or(Ok(()), image::ReleaseBuild::finish)
 }
 
 /// `cargo test` arguments that run one test at a time, unless the caller

@@ -342,15 +342,17 @@ fn verdict(outcome: &Outcome, invariant: Invariant) -> String {
     }
 }
 
-/// The short id of the commit checked out now.
+/// The short id of the commit checked out now, with `-dirty` if the tree
+/// has changes it does not hold (the run then measured those too).
 pub fn head_commit() -> String {
     std::process::Command::new("git")
         .args([
             "-C",
             &crate::workspace_root().display().to_string(),
-            "rev-parse",
-            "--short",
-            "HEAD",
+            "describe",
+            "--always",
+            "--dirty",
+            "--abbrev=7",
         ])
         .output()
         .map(|output| String::from_utf8_lossy(&output.stdout).trim().to_string())

@@ -479,9 +479,10 @@ fn sighup_and_a_broken_pipe_kill_nothing() {
     let _ = std::fs::remove_file(&config);
 }
 
-/// `socklb run` that kills itself after its `crash_at`-th pin (or unpin).
-fn crash_at(args: &[&str], crash_at: usize) -> std::process::ExitStatus {
-    Command::new(socklb_bin())
+/// `socklb run` that kills itself after its `crash_at`-th pin (or unpin):
+/// its exit status, and its log (what it said if it did not get there).
+fn crash_at(args: &[&str], crash_at: usize) -> (std::process::ExitStatus, String) {
+    let output = Command::new(socklb_bin())
         .args(args)
         .env(
             socklb::dataplane::install::CRASH_AFTER_PINS,
@@ -489,9 +490,11 @@ fn crash_at(args: &[&str], crash_at: usize) -> std::process::ExitStatus {
         )
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .expect("socklb")
+        .stderr(Stdio::piped())
+        .output()
+        .expect("socklb");
+    let log = String::from_utf8_lossy(&output.stderr).into_owned();
+    (output.status, log)
 }
 
 #[test]
@@ -510,11 +513,11 @@ fn a_crash_at_any_pin_of_an_install_or_uninstall_is_completed_by_the_next_start(
             let mut run: Vec<&str> = vec!["run"];
             run.extend(args.iter().map(String::as_str));
             run.extend(["--pin-path", &pin]);
-            let exit = crash_at(&run, pin_count);
+            let (exit, log) = crash_at(&run, pin_count);
             assert_eq!(
                 exit.signal(),
                 Some(libc::SIGKILL),
-                "killed after pin {pin_count}: {exit}"
+                "killed after pin {pin_count}: {exit}; its log:\n{log}"
             );
             let left = PinPaths::new(&pin_path)
                 .all()
@@ -541,8 +544,12 @@ fn a_crash_at_any_pin_of_an_install_or_uninstall_is_completed_by_the_next_start(
         daemon.signal(libc::SIGTERM);
         daemon.wait_exit(Duration::from_secs(5)).expect("exits");
         let pin = daemon.pin_path.display().to_string();
-        let exit = crash_at(&["uninstall", "--pin-path", &pin], unpin_count);
-        assert_eq!(exit.signal(), Some(libc::SIGKILL), "{exit}");
+        let (exit, log) = crash_at(&["uninstall", "--pin-path", &pin], unpin_count);
+        assert_eq!(
+            exit.signal(),
+            Some(libc::SIGKILL),
+            "killed after unpin {unpin_count}: {exit}; its log:\n{log}"
+        );
         if unpin_count % 2 == 1 {
             let mut again = Daemon::start_at("uncrash", &args, daemon.pin_path.clone());
             again.wait_health(&[backend.addr], true, Duration::from_secs(10));

@@ -39,8 +39,9 @@ fn ensure_cargo_fuzz() -> Result<()> {
 /// runs use the dev profile, which builds in a fraction of the time of an
 /// optimised one; long runs are optimised. No sanitizer: the config parser
 /// is safe Rust (no `unsafe` under lb-userspace/src/config), where
-/// AddressSanitizer has nothing to find; its instrumentation of every
-/// dependency doubled the build and halved the inputs per second.
+/// AddressSanitizer has nothing to find. Without it, CI's first target
+/// took 140 s with its build instead of 228 s, and ran 152,276 inputs in
+/// its 20 s instead of 20,127.
 pub fn run(seconds: u32) -> Result<()> {
     let profile = if seconds <= 60 { "--dev" } else { "-O" };
     ensure_cargo_fuzz()?;

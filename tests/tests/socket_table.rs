@@ -379,7 +379,7 @@ fn connects_in_a_loop(daemon: &mut Daemon, endings: &Endings, cgroup: &Path) -> 
             .ok()
             .filter(|count| (1..=u32::MAX / 2).contains(count))
             .unwrap_or_else(|| {
-                panic!("SOCKLB_LOOP_CONNECTS={text}: a number of connects, at least 1")
+                panic!("SOCKLB_LOOP_CONNECTS={text}: a number of connects, 1 to 2147483647")
             }),
         Err(_) => LOOP_CONNECTS,
     };

@@ -350,6 +350,8 @@ pub fn head_commit() -> String {
             "-C",
             &crate::workspace_root().display().to_string(),
             "describe",
+            // No tag names: the commit's own short id.
+            "--exclude=*",
             "--always",
             "--dirty",
             "--abbrev=7",

@@ -87,9 +87,10 @@ pub fn run(seconds: u32) -> Result<()> {
             .find_map(|line| line.strip_prefix("stat::number_of_executed_units:"))
             .map_or("?".to_string(), |count| count.trim().to_string());
         if !output.status.success() {
-            let tail: Vec<&str> = stderr.lines().rev().take(40).collect();
-            let tail: Vec<&str> = tail.into_iter().rev().collect();
-            bail!("fuzzing {target} found a failure:\n{}", tail.join("\n"));
+            bail!(
+                "fuzzing {target} found a failure:\n{}",
+                crate::last_lines(&stderr, 40)
+            );
         }
         println!("xtask: {target}: {runs} inputs, no failure");
     }

@@ -415,11 +415,9 @@ impl ReleaseBuild {
             return Ok(());
         }
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let tail: Vec<&str> = text.lines().rev().take(30).collect();
-        let tail: Vec<&str> = tail.into_iter().rev().collect();
         bail!(
             "the background release build failed ({status}) after {took} s:\n{}",
-            tail.join("\n")
+            crate::last_lines(&text, 30)
         )
     }
 }

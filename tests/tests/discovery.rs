@@ -138,6 +138,13 @@ fn a_server_removed_through_the_api_is_drained() {
     // New connects go to b1 only.
     let spread = served(vip, &cgroup.path, 20);
     assert_eq!(spread.get("b1"), Some(&20), "{spread:?}");
+    // The daemon closes the removed server's connections off its loop, and
+    // says so when it is done; release the clients only after that.
+    let closed = format!(
+        "{}: closed {on_b0} of {on_b0} connections socklb had sent to it",
+        b0.addr
+    );
+    assert!(daemon.log_shows(&closed, LIMIT), "{}", daemon.log());
 
     held.release();
     let ends = held.finish();

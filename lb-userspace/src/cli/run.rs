@@ -230,7 +230,7 @@ pub fn run(args: RunArgs) -> super::Outcome {
         metrics_addr: args.metrics_addr,
         watch_config: args.watch_config,
     };
-    socklb::daemon::limit_heap();
+    socklb::daemon::heap::limit();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -154,6 +154,7 @@ impl Metrics {
         registry.register_collector(Box::new(KernelCollector {
             snapshot: snapshot.clone(),
         }));
+        registry.register_collector(Box::new(HeapCollector));
         Self {
             registry: Arc::new(registry),
             snapshot,
@@ -394,6 +395,28 @@ impl Collector for KernelCollector {
                 .collect(),
         )?;
         Ok(())
+    }
+}
+
+/// What malloc holds, read at each scrape.
+#[derive(Debug)]
+struct HeapCollector;
+
+impl Collector for HeapCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some(usage) = super::heap::usage() else {
+            return Ok(());
+        };
+        let gauge = |bytes: u64| ConstGauge::new(i64::try_from(bytes).unwrap_or(i64::MAX));
+        encode_family(
+            &mut encoder,
+            "socklb_heap_bytes",
+            "The daemon's heap by kind: in_use, what it holds; free, what malloc keeps after it was freed (growth of in_use alone is a leak)",
+            vec![
+                (labels(&[("kind", "in_use")]), gauge(usage.in_use)),
+                (labels(&[("kind", "free")]), gauge(usage.free)),
+            ],
+        )
     }
 }
 

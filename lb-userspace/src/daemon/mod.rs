@@ -22,6 +22,7 @@
 mod accept;
 mod apply;
 pub mod control;
+pub mod heap;
 pub mod metrics;
 mod observe;
 pub mod passive;
@@ -68,13 +69,6 @@ use sweep::SweepDone;
 
 /// How often the daemon beats its heartbeat and verifies the data plane.
 const TICK: Duration = Duration::from_millis(500);
-
-/// How often freed heap memory goes back to the system. glibc returns
-/// only the free top of each heap by itself; blocks freed below live ones
-/// (a reload's or a discovery burst's buffers) stay resident until
-/// `malloc_trim` releases their pages. Once a minute costs well under a
-/// millisecond and keeps the daemon's resident memory to what it holds.
-const TRIM_EVERY: Duration = Duration::from_secs(60);
 
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
@@ -206,7 +200,8 @@ impl Daemon {
         self.plane.start_record();
         let mut tick = tokio::time::interval(TICK);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut trim = tokio::time::interval_at(Instant::now() + TRIM_EVERY, TRIM_EVERY);
+        let mut trim =
+            tokio::time::interval_at(Instant::now() + heap::TRIM_EVERY, heap::TRIM_EVERY);
         trim.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
@@ -237,7 +232,7 @@ impl Daemon {
                     let _ = incoming.reply.send(reply);
                 }
                 _ = tick.tick() => self.on_tick(),
-                _ = trim.tick() => trim_heap(),
+                _ = trim.tick() => heap::trim(),
                 _ = signals.terminate.recv() => { info!("SIGTERM"); break; }
                 _ = signals.interrupt.recv() => { info!("SIGINT"); break; }
                 _ = signals.hangup.recv() => self.reload("SIGHUP"),
@@ -245,25 +240,6 @@ impl Daemon {
         }
         let _ = std::fs::remove_file(&control_path);
         Ok(())
-    }
-}
-
-/// Keeps the daemon's resident memory near what it uses: by default
-/// glibc's malloc keeps freed memory at the top of each heap (its trim
-/// threshold grows with the largest block freed, to 32 MiB) and makes an
-/// arena for every thread that allocates. One arena for every thread: the
-/// daemon allocates little and from one event loop at a time, and a
-/// second arena, fed by the runtime's worker threads, held its own free
-/// pages beside the main heap's (the soak, SOAK-FINDINGS §8: anonymous
-/// memory 2.0–2.4 MB with one arena, 2.1–2.6 MB with two). Called before
-/// the runtime's threads start.
-pub fn limit_heap() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: mallopt only sets allocator parameters; called before other
-    // threads exist.
-    unsafe {
-        libc::mallopt(libc::M_ARENA_MAX, 1);
-        libc::mallopt(libc::M_TRIM_THRESHOLD, 128 * 1024);
     }
 }
 
@@ -285,14 +261,5 @@ fn notify_ready() {
     })();
     if let Err(error) = sent {
         warn!("telling systemd the daemon is ready: {error}");
-    }
-}
-
-/// Returns freed heap memory to the system.
-fn trim_heap() {
-    #[cfg(target_env = "gnu")]
-    // SAFETY: malloc_trim only releases free memory.
-    unsafe {
-        libc::malloc_trim(0);
     }
 }

@@ -242,7 +242,7 @@ pub async fn start(options: RunOptions) -> Result<(Daemon, Inputs, Signals), Dae
     }
     // Loading parsed the kernel's BTF and the object (megabytes, now
     // freed): give that memory back to the system.
-    super::trim_heap();
+    super::heap::trim();
     // Under systemd (Type=notify), the units ordered after socklb start
     // now: the hook is attached and redirects.
     super::notify_ready();

@@ -433,6 +433,7 @@ impl Soak {
             self.cpu.observe("socklb", pid);
             let mut values = BTreeMap::new();
             observe::process_sample(pid, &self.world.node.cpu, &mut values);
+            observe::heap_sample(self.world.metrics, &mut values);
             let life = self.life.incarnations.len().saturating_sub(1) as u32;
             self.process_samples.push(Sample {
                 t_ms: now_ms(),

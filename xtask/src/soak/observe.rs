@@ -297,6 +297,26 @@ pub const ANON_HEAP: &str = "daemon anonymous: [heap] (KiB)";
 pub const ANON_STACK: &str = "daemon anonymous: [stack] (KiB)";
 pub const ANON_UNNAMED: &str = "daemon anonymous: unnamed mappings (KiB)";
 
+/// What the daemon holds in its malloc heap (`socklb_heap_bytes`, kind
+/// `in_use`): judged. A leak of socklb's own state grows it, whatever the
+/// allocator does with the pages.
+pub const HEAP_IN_USE: &str = "daemon heap in use (KiB)";
+/// What malloc keeps of what the daemon freed (kind `free`): shown.
+pub const HEAP_FREE: &str = "daemon heap kept free (KiB)";
+
+/// The daemon's own count of its heap, from /metrics. A daemon that does
+/// not answer within half a second (stopped, starved) gives no sample.
+pub fn heap_sample(metrics: SocketAddr, values: &mut BTreeMap<String, f64>) {
+    let Ok(samples) = try_scrape_metrics(metrics, Duration::from_millis(500)) else {
+        return;
+    };
+    for (kind, name) in [("in_use", HEAP_IN_USE), ("free", HEAP_FREE)] {
+        if let Some(bytes) = samples.get(&format!("socklb_heap_bytes{{kind=\"{kind}\"}}")) {
+            values.insert(name.into(), bytes / 1024.0);
+        }
+    }
+}
+
 /// The anonymous memory of /proc/PID/smaps by [`ANON_HEAP`],
 /// [`ANON_STACK`] and [`ANON_UNNAMED`]; what is mapped from a file (a
 /// binary's written data) is left out.

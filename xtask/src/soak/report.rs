@@ -18,7 +18,7 @@ use super::{
     catalogue::{CATALOGUE, Group, ServerEffect},
     lifecycle::Lifecycle,
     load,
-    observe::{ANON_HEAP, ANON_STACK, ANON_UNNAMED, RSS, RSS_FILE, Sample},
+    observe::{ANON_HEAP, ANON_STACK, ANON_UNNAMED, HEAP_FREE, RSS, RSS_FILE, Sample},
     record::{Applied, Count, Invariant, LogLine},
     verdicts::{AddressBook, Bounds, Slope, slope},
 };
@@ -154,6 +154,7 @@ pub fn not_judged(name: &str) -> Option<&'static str> {
         RSS => Some("shown: anonymous + file-backed"),
         RSS_FILE => Some("shown: pages of the binary and libraries, paged in and out"),
         ANON_HEAP | ANON_STACK | ANON_UNNAMED => Some("shown: where the anonymous memory is"),
+        HEAP_FREE => Some("shown: what malloc keeps of what was freed"),
         _ => None,
     }
 }
@@ -600,7 +601,8 @@ fn leaks(text: &mut String, outcome: &Outcome) {
          pages of its binary and libraries, which grow as code runs for the first time and shrink when the kernel \
          reclaims them, and is shown, not judged. Where the anonymous memory is (the main heap, the main thread's \
          stack, the unnamed mappings: malloc's other arena and the runtime's thread stacks, from /proc/PID/smaps) is \
-         shown too. Also the entries \
+         shown too, and so is what malloc keeps of what was freed; what the daemon holds in its heap (its own count, \
+         `socklb_heap_bytes` from /metrics) is judged. Also the entries \
          of every pinned map and the per-socket records of sockets that are no longer live at each quiet \
          checkpoint (once a minute, clients paused; the records of live sockets are shown, not judged: they follow \
          the connections open). The resolution is twice the slope's standard error, and at least one unit over the \

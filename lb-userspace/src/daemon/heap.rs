@@ -1,0 +1,98 @@
+//! The daemon's heap: how glibc's malloc is set up, when freed memory goes
+//! back to the system, and what /metrics says of it.
+//!
+//! The soak (SOAK-FINDINGS §8) found the daemon's anonymous memory creeping
+//! by a few hundred KiB an hour while what it holds stayed flat: memory
+//! malloc keeps after it is freed. These settings keep that small, and
+//! `socklb_heap_bytes` lets an operator tell the two apart.
+
+use std::time::Duration;
+
+/// How often freed heap memory goes back to the system. glibc returns
+/// only the free top of each heap by itself; blocks freed below live ones
+/// (a reload's or a discovery burst's buffers) stay resident until
+/// `malloc_trim` releases their pages. Once a minute costs well under a
+/// millisecond and keeps the daemon's resident memory to what it holds.
+pub const TRIM_EVERY: Duration = Duration::from_secs(60);
+
+/// Blocks from this size up get their own mapping, returned whole when
+/// freed, instead of a place in the heap: a TLS probe's record buffers
+/// (16 KiB and more), a sweep's socket dump, a status or /metrics text.
+/// In the heap, each such buffer leaves a hole that the small blocks
+/// allocated meanwhile (timers, tasks, map entries) then pin page by page.
+const OWN_MAPPING_FROM: i32 = 16 * 1024;
+
+/// Keeps the daemon's resident memory near what it uses: by default
+/// glibc's malloc keeps freed memory at the top of each heap (its trim
+/// threshold grows with the largest block freed, to 32 MiB) and makes an
+/// arena for every thread that allocates. One arena for every thread: the
+/// daemon allocates little and from one event loop at a time, and a
+/// second arena, fed by the runtime's worker threads, held its own free
+/// pages beside the main heap's (the soak, SOAK-FINDINGS §8: anonymous
+/// memory 2.0–2.4 MB with one arena, 2.1–2.6 MB with two). Called before
+/// the runtime's threads start.
+pub fn limit() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: mallopt only sets allocator parameters; called before other
+    // threads exist.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 1);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 128 * 1024);
+        libc::mallopt(libc::M_MMAP_THRESHOLD, OWN_MAPPING_FROM);
+    }
+}
+
+/// Returns freed heap memory to the system.
+pub fn trim() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only releases free memory.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}
+
+/// What malloc holds, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Usage {
+    /// Handed out and not freed: what the daemon holds (heap blocks and
+    /// blocks in their own mappings).
+    pub in_use: u64,
+    /// Freed and kept by malloc in its heap, resident or not.
+    pub free: u64,
+}
+
+/// malloc's own count (`mallinfo2`); None where the C library is not
+/// glibc.
+pub fn usage() -> Option<Usage> {
+    #[cfg(target_env = "gnu")]
+    {
+        // SAFETY: mallinfo2 only reads malloc's statistics.
+        let info = unsafe { libc::mallinfo2() };
+        Some(Usage {
+            in_use: (info.uordblks + info.hblkhd) as u64,
+            free: info.fordblks as u64,
+        })
+    }
+    #[cfg(not(target_env = "gnu"))]
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[cfg(target_env = "gnu")]
+    fn a_block_held_counts_in_use_until_freed() {
+        // 64 MiB: far more than the other unit tests, running beside this
+        // one, allocate or free meanwhile.
+        const BLOCK: u64 = 64 << 20;
+        let before = usage().expect("glibc").in_use;
+        let held = std::hint::black_box(vec![7u8; BLOCK as usize]);
+        let during = usage().expect("glibc").in_use;
+        drop(held);
+        let after = usage().expect("glibc").in_use;
+        assert!(during >= before + BLOCK / 2, "{before} → {during}");
+        assert!(after + BLOCK / 2 <= during, "{during} → {after}");
+    }
+}

@@ -211,6 +211,8 @@ pub struct RunArgs {
 }
 
 pub fn run(args: RunArgs) -> super::Outcome {
+    // First of all: what comes before the exec would be done twice.
+    socklb::daemon::heap::without_thread_caches();
     let config = match &args.config {
         Some(path) => config::load_file(path)?,
         None => config::validate_with(vec![flag_service(&args)], "flags", args.socket_table_size)?,

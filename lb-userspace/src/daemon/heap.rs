@@ -42,6 +42,61 @@ pub fn limit() {
     }
 }
 
+/// The glibc tunable that turns off malloc's per-thread caches.
+const NO_THREAD_CACHE: &str = "glibc.malloc.tcache_count=0";
+
+/// `GLIBC_TUNABLES` with the per-thread caches off, added to what the
+/// environment sets; None when it already says how many to keep (an
+/// operator's own choice stands).
+fn tunables_without_thread_cache(current: Option<&str>) -> Option<String> {
+    match current {
+        Some(tunables) if tunables.contains("glibc.malloc.tcache_count") => None,
+        Some(tunables) if !tunables.is_empty() => Some(format!("{tunables}:{NO_THREAD_CACHE}")),
+        _ => Some(NO_THREAD_CACHE.to_string()),
+    }
+}
+
+/// Starts the daemon again, in the same process, with malloc's per-thread
+/// caches off; returns only if that is not needed or not possible.
+///
+/// Each thread keeps up to seven freed blocks of every size for itself,
+/// and the runtime frees on one worker what another allocated: over a
+/// long life more and more sizes fill a cache that malloc never trims,
+/// and the daemon's memory crept by about 0.7 MB an hour (the soak,
+/// SOAK-FINDINGS §8). glibc reads its tunables only when a program
+/// starts, hence the exec; the daemon allocates too little for the
+/// caches' speed to matter. Called before any thread exists.
+pub fn without_thread_caches() {
+    #[cfg(target_env = "gnu")]
+    {
+        use std::os::unix::process::CommandExt;
+        let current = std::env::var("GLIBC_TUNABLES").ok();
+        let Some(tunables) = tunables_without_thread_cache(current.as_deref()) else {
+            return;
+        };
+        // The binary by its path, not /proc/self/exe: the process is named
+        // after what it executes, and `pgrep socklb` must still find it.
+        let binary = match std::env::current_exe() {
+            Ok(binary) => binary,
+            Err(error) => {
+                tracing::warn!(
+                    "finding socklb's own binary: {error}; running with malloc's per-thread caches"
+                );
+                return;
+            }
+        };
+        let mut args = std::env::args_os();
+        let mut command = std::process::Command::new(binary);
+        if let Some(name) = args.next() {
+            command.arg0(name);
+        }
+        let error = command.args(args).env("GLIBC_TUNABLES", &tunables).exec();
+        tracing::warn!(
+            "starting again with malloc's per-thread caches off ({tunables}): {error}; running with them"
+        );
+    }
+}
+
 /// Returns freed heap memory to the system.
 pub fn trim() {
     #[cfg(target_env = "gnu")]
@@ -80,6 +135,26 @@ pub fn usage() -> Option<Usage> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_thread_cache_tunable_is_added_once_and_an_operators_own_stands() {
+        assert_eq!(
+            tunables_without_thread_cache(None).as_deref(),
+            Some("glibc.malloc.tcache_count=0")
+        );
+        assert_eq!(
+            tunables_without_thread_cache(Some("")).as_deref(),
+            Some("glibc.malloc.tcache_count=0")
+        );
+        assert_eq!(
+            tunables_without_thread_cache(Some("glibc.malloc.check=3")).as_deref(),
+            Some("glibc.malloc.check=3:glibc.malloc.tcache_count=0")
+        );
+        assert_eq!(
+            tunables_without_thread_cache(Some("glibc.malloc.tcache_count=2")),
+            None
+        );
+    }
 
     #[test]
     #[cfg(target_env = "gnu")]

@@ -2,9 +2,10 @@
 //! back to the system, and what /metrics says of it.
 //!
 //! The soak (SOAK-FINDINGS §8) found the daemon's anonymous memory creeping
-//! by a few hundred KiB an hour while what it holds stayed flat: memory
-//! malloc keeps after it is freed. These settings keep that small, and
-//! `socklb_heap_bytes` lets an operator tell the two apart.
+//! by a few hundred KiB an hour: first blocks kept in malloc's per-thread
+//! caches (now off), then the heap's resident pages, with what the daemon
+//! holds flat. These settings keep that small, and `socklb_heap_bytes`
+//! lets an operator tell a leak from the allocator's pages.
 
 use std::time::Duration;
 
@@ -20,6 +21,8 @@ pub const TRIM_EVERY: Duration = Duration::from_secs(60);
 /// (16 KiB and more), a sweep's socket dump, a status or /metrics text.
 /// In the heap, each such buffer leaves a hole that the small blocks
 /// allocated meanwhile (timers, tasks, map entries) then pin page by page.
+/// (Its effect alone was not measured: the soak run that had it showed the
+/// per-thread caches' growth, found next.)
 const OWN_MAPPING_FROM: i32 = 16 * 1024;
 
 /// Keeps the daemon's resident memory near what it uses: by default

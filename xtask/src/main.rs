@@ -178,16 +178,16 @@ pub fn run_checked(command: &mut Command) -> Result<()> {
     Ok(())
 }
 
-/// The stable cargo, without the variables that `cargo run` set for the
-/// xtask itself: some build scripts (ring's) watch them, so a cargo started
-/// here with them would rebuild half the tree that a plain `cargo` command
-/// built, and the other way round.
 /// The last `count` lines of `text`, in order: the end of a tool's log.
 pub fn last_lines(text: &str, count: usize) -> String {
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(count)..].join("\n")
 }
 
+/// The stable cargo, without the variables that `cargo run` set for the
+/// xtask itself: some build scripts (ring's) watch them, so a cargo started
+/// here with them would rebuild half the tree that a plain `cargo` command
+/// built, and the other way round.
 pub fn cargo() -> Command {
     let mut command = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
     command.current_dir(workspace_root());

@@ -11,19 +11,26 @@ use std::time::Duration;
 
 /// How often freed heap memory goes back to the system. glibc returns
 /// only the free top of each heap by itself; blocks freed below live ones
-/// (a reload's or a discovery burst's buffers) stay resident until
-/// `malloc_trim` releases their pages. Once a minute costs well under a
-/// millisecond and keeps the daemon's resident memory to what it holds.
-pub const TRIM_EVERY: Duration = Duration::from_secs(60);
+/// (a probe's handshake, a reload's or a discovery burst's buffers) stay
+/// resident until `malloc_trim` releases their pages. Every 10 s costs
+/// well under a millisecond (the heap is a few MB) and keeps the daemon's
+/// resident memory to what it holds: at once a minute, the pages a minute
+/// of probes had touched stayed resident, and the soak's samples of the
+/// heap swung by 260 KiB with where they fell in that minute
+/// (SOAK-FINDINGS §8).
+pub const TRIM_EVERY: Duration = Duration::from_secs(10);
 
 /// Blocks from this size up get their own mapping, returned whole when
 /// freed, instead of a place in the heap: a TLS probe's record buffers
-/// (16 KiB and more), a sweep's socket dump, a status or /metrics text.
-/// In the heap, each such buffer leaves a hole that the small blocks
-/// allocated meanwhile (timers, tasks, map entries) then pin page by page.
-/// (Its effect alone was not measured: the soak run that had it showed the
-/// per-thread caches' growth, found next.)
-const OWN_MAPPING_FROM: i32 = 16 * 1024;
+/// and certificates, an HTTP connection's 8 KiB read buffer (each /metrics
+/// scrape, the API watch), a sweep's socket dump, a status or /metrics
+/// text. In the heap, each such buffer leaves a hole that the small
+/// blocks allocated meanwhile (timers, tasks, map entries) then pin page
+/// by page, so the live blocks spread over more and more of the heap's
+/// pages (the soak, SOAK-FINDINGS §8: the heap's resident pages grew
+/// +354 KiB an hour at 16 KiB, with what the daemon holds flat). One page:
+/// a smaller block would take a whole page of its own.
+const OWN_MAPPING_FROM: i32 = 4096;
 
 /// Keeps the daemon's resident memory near what it uses: by default
 /// glibc's malloc keeps freed memory at the top of each heap (its trim

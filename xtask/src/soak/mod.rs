@@ -66,8 +66,26 @@ pub struct Options {
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
-/// How often the daemon's resources and every part's CPU are read.
+/// How often, on average, the daemon's resources and every part's CPU
+/// are read.
 const PROCESS_SAMPLING: Duration = Duration::from_secs(10);
+
+/// Each wait between two readings is drawn from half to one and a half
+/// [`PROCESS_SAMPLING`]: at a fixed period the readings kept nearly the
+/// same phase against what the daemon does on a period of its own (its
+/// heap trim every 10 s, its probes), and that phase, drifting a little
+/// each time, drew a slope that was not there (SOAK-FINDINGS §8: the
+/// heap's resident pages +304.9 KiB/h by the soak's 10 s readings, −196.7
+/// by a reader's beside it at another phase). At random moments the
+/// daemon's cycles are noise in the fit, not a trend.
+fn next_sampling_wait(rng: &mut rng::Rng) -> Duration {
+    let mean = PROCESS_SAMPLING.as_millis() as u64;
+    Duration::from_millis(rng.range(mean / 2, mean + mean / 2))
+}
+
+/// Mixed into the seed for the sampling moments' own stream, so that they
+/// draw nothing from the schedule's.
+const SAMPLING_STREAM: u64 = 0x5a3d_1e07_c0ff_ee00;
 
 extern "C" fn interrupted(_signal: libc::c_int) {
     INTERRUPTED.store(true, Ordering::SeqCst);
@@ -185,7 +203,10 @@ struct Soak {
     cpu: cpu::CpuMeter,
     /// The daemon's resources, every few seconds.
     process_samples: Vec<Sample>,
-    process_sampled: Instant,
+    /// When the daemon's resources are read next, and the draws that
+    /// place the readings ([`next_sampling_wait`]).
+    process_due: Instant,
+    sampling: rng::Rng,
     /// The commit whose binaries run (read when they were started: the
     /// tree may move on during a long run).
     commit: String,
@@ -256,6 +277,7 @@ impl Soak {
             bounds.repair_ms
         );
         let applied = vec![None; schedule.faults.len()];
+        let schedule_seed = schedule.seed;
         let cpu = cpu::CpuMeter::start();
         Ok(Self {
             load: Some(load),
@@ -276,7 +298,8 @@ impl Soak {
             subnet_checked: Instant::now(),
             cpu,
             process_samples: Vec::new(),
-            process_sampled: Instant::now(),
+            process_due: Instant::now() + PROCESS_SAMPLING,
+            sampling: rng::Rng::new(schedule_seed ^ SAMPLING_STREAM),
             commit: report::head_commit(),
         })
     }
@@ -334,8 +357,8 @@ impl Soak {
         // Bounded by the deadline; each turn is about 200 ms.
         while now_ms() < deadline_ms && !is_interrupted() {
             self.life.watch(self.world.daemon_mut());
-            if self.process_sampled.elapsed() >= PROCESS_SAMPLING {
-                self.process_sampled = Instant::now();
+            if Instant::now() >= self.process_due {
+                self.process_due = Instant::now() + next_sampling_wait(&mut self.sampling);
                 self.observe_processes();
             }
             self.log.poll();
@@ -710,5 +733,33 @@ impl Step {
             Step::End(index) => Step::Finish(index),
             other => other,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readings_are_drawn_around_the_mean_and_replay_from_the_seed() {
+        let draw = |seed: u64| -> Vec<Duration> {
+            let mut rng = rng::Rng::new(seed ^ SAMPLING_STREAM);
+            (0..600).map(|_| next_sampling_wait(&mut rng)).collect()
+        };
+        let waits = draw(618_430_790);
+        assert_eq!(waits, draw(618_430_790));
+        assert_ne!(waits, draw(618_430_791));
+        let (low, high) = (PROCESS_SAMPLING / 2, PROCESS_SAMPLING * 3 / 2);
+        assert!(waits.iter().all(|wait| (low..high).contains(wait)));
+        let mean = waits.iter().sum::<Duration>() / waits.len() as u32;
+        // 600 uniform draws: the mean's standard error is 118 ms.
+        assert!(
+            mean.abs_diff(PROCESS_SAMPLING) < Duration::from_millis(600),
+            "{mean:?}"
+        );
+        // Spread over the whole range, not one phase.
+        let quarter = PROCESS_SAMPLING / 4;
+        assert!(waits.iter().any(|wait| *wait < low + quarter));
+        assert!(waits.iter().any(|wait| *wait >= high - quarter));
     }
 }

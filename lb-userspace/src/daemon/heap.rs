@@ -13,11 +13,11 @@ use std::time::Duration;
 /// only the free top of each heap by itself; blocks freed below live ones
 /// (a probe's handshake, a reload's or a discovery burst's buffers) stay
 /// resident until `malloc_trim` releases their pages. Every 10 s costs
-/// well under a millisecond (the heap is a few MB) and keeps the daemon's
-/// resident memory near what it holds: in the soak's long life, with a
-/// trim a minute, its anonymous memory moved over 264 KiB between
-/// readings; with one every 10 s, the heap's resident pages moved over
-/// 168 KiB (SOAK-FINDINGS §8).
+/// well under a millisecond (the heap is a few MB). What it saves over a
+/// trim a minute was not told apart from noise: over the soak's long
+/// life, the heap's resident pages moved over 168–232 KiB between
+/// readings at 10 s, the anonymous memory over 264 KiB at a minute
+/// (SOAK-FINDINGS §8).
 pub const TRIM_EVERY: Duration = Duration::from_secs(10);
 
 /// Blocks from this size up get their own mapping, returned whole when

@@ -76,7 +76,7 @@ const PROCESS_SAMPLING: Duration = Duration::from_secs(10);
 /// heap trim every 10 s, its probes), and that phase, drifting a little
 /// each time, drew a slope that was not there (SOAK-FINDINGS §8: the
 /// heap's resident pages +304.9 KiB/h by the soak's 10 s readings, −196.7
-/// by a reader's beside it at another phase). At random moments the
+/// by a reader beside it at another phase). At random moments the
 /// daemon's cycles are noise in the fit, not a trend.
 fn next_sampling_wait(rng: &mut rng::Rng) -> Duration {
     let mean = PROCESS_SAMPLING.as_millis() as u64;

@@ -83,9 +83,12 @@ fn next_sampling_wait(rng: &mut rng::Rng) -> Duration {
     Duration::from_millis(rng.range(mean / 2, mean + mean / 2))
 }
 
-/// Mixed into the seed for the sampling moments' own stream, so that they
-/// draw nothing from the schedule's.
-const SAMPLING_STREAM: u64 = 0x5a3d_1e07_c0ff_ee00;
+/// The sampling moments' own stream of `seed`: they draw nothing from the
+/// schedule's, so the same seed still plans the same faults.
+fn sampling_rng(seed: u64) -> rng::Rng {
+    const SAMPLING_STREAM: u64 = 0x5a3d_1e07_c0ff_ee00;
+    rng::Rng::new(seed ^ SAMPLING_STREAM)
+}
 
 extern "C" fn interrupted(_signal: libc::c_int) {
     INTERRUPTED.store(true, Ordering::SeqCst);
@@ -277,7 +280,7 @@ impl Soak {
             bounds.repair_ms
         );
         let applied = vec![None; schedule.faults.len()];
-        let schedule_seed = schedule.seed;
+        let sampling = sampling_rng(schedule.seed);
         let cpu = cpu::CpuMeter::start();
         Ok(Self {
             load: Some(load),
@@ -299,7 +302,7 @@ impl Soak {
             cpu,
             process_samples: Vec::new(),
             process_due: Instant::now() + PROCESS_SAMPLING,
-            sampling: rng::Rng::new(schedule_seed ^ SAMPLING_STREAM),
+            sampling,
             commit: report::head_commit(),
         })
     }
@@ -743,7 +746,7 @@ mod tests {
     #[test]
     fn readings_are_drawn_around_the_mean_and_replay_from_the_seed() {
         let draw = |seed: u64| -> Vec<Duration> {
-            let mut rng = rng::Rng::new(seed ^ SAMPLING_STREAM);
+            let mut rng = sampling_rng(seed);
             (0..600).map(|_| next_sampling_wait(&mut rng)).collect()
         };
         let waits = draw(618_430_790);

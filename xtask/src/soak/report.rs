@@ -606,9 +606,11 @@ fn silent(text: &mut String, outcome: &Outcome) {
 fn leaks(text: &mut String, outcome: &Outcome) {
     let _ = writeln!(
         text,
-        "### {} — {}\n\nAfter the warm-up: socklb's memory, descriptors, threads and its cgroup's tasks every {} s on average, \
-         at seeded random moments from half to one and a half that apart (nothing the daemon does on a period of its \
-         own, its heap trim or its probes, can then hold one phase against the readings and draw a slope), from {} s into each of its lives, each life fitted around its own mean (a restart resets them; its memory from \
+        "### {} — {}\n\nAfter the warm-up: socklb's memory, descriptors, threads and its cgroup's tasks every {} s \
+         on average, at seeded random moments from half to one and a half that apart (nothing the daemon does on a \
+         period of its own, its heap trim or its probes, can then hold one phase against the readings and draw a \
+         slope), from {} s into each of its lives, each life fitted around its own mean (a restart resets them; its \
+         memory from \
          {} min into a life, once each kind of work has run in it, and only over lives sampled {} min or more after \
          that: a younger process is mostly warm-up). Its RSS is shown with its two parts: \
          the anonymous memory is what it allocated, the memory a leak grows, and is judged; the file-backed part is the \

@@ -4,7 +4,8 @@
 //! daemon from a live one; SIGHUP and a closed pipe kill nothing; a crash
 //! at any pin of an install (or an uninstall) is completed by the next
 //! start; one lock per install; privileges and pin directories are
-//! checked; an overlapping install is refused; a local user can only make
+//! checked; an overlapping install is refused, and links that other BPF
+//! users make and free meanwhile never stop a start; a local user can only make
 //! rebalancing move its own connections, and the close step's cost does
 //! not grow with the host's unrelated sockets. Each test waits on kernel
 //! facts and records its times as figures.
@@ -1007,4 +1008,157 @@ fn the_close_step_costs_little_beside_48000_unrelated_sockets() {
         "half of the 56 % an unfiltered dump cost at most: {:.1} %",
         run.cpu_share * 100.0
     );
+}
+
+/// A do-nothing cgroup_skb program loaded with raw bpf(2) (two
+/// instructions: r0 = 1; exit), so that this test can make links without
+/// an object file.
+fn allow_all_program() -> std::os::fd::OwnedFd {
+    #[repr(C)]
+    struct ProgLoad {
+        prog_type: u32,
+        insn_cnt: u32,
+        insns: u64,
+        license: u64,
+        log_level: u32,
+        log_size: u32,
+        log_buf: u64,
+        kern_version: u32,
+        prog_flags: u32,
+        prog_name: [u8; 16],
+        prog_ifindex: u32,
+        expected_attach_type: u32,
+        rest: [u8; 56],
+    }
+    // BPF_MOV64_IMM(R0, 1), BPF_EXIT.
+    let insns: [u64; 2] = [u64::from_le_bytes([0xb7, 0, 0, 0, 1, 0, 0, 0]), 0x95];
+    let license = c"GPL";
+    let attr = ProgLoad {
+        prog_type: 8, // BPF_PROG_TYPE_CGROUP_SKB
+        insn_cnt: 2,
+        insns: insns.as_ptr() as u64,
+        license: license.as_ptr() as u64,
+        log_level: 0,
+        log_size: 0,
+        log_buf: 0,
+        kern_version: 0,
+        prog_flags: 0,
+        prog_name: *b"socklb_t_churn\0\0",
+        prog_ifindex: 0,
+        expected_attach_type: 1, // BPF_CGROUP_INET_EGRESS
+        rest: [0; 56],
+    };
+    // SAFETY: BPF_PROG_LOAD (5) reads `attr` and the arrays it points to,
+    // which outlive the call; it returns a new descriptor or -1.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            5,
+            &raw const attr,
+            std::mem::size_of::<ProgLoad>(),
+        )
+    };
+    assert!(
+        fd >= 0,
+        "loading a cgroup_skb program: {}",
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: a descriptor the kernel just returned, owned by nobody else.
+    unsafe { std::os::fd::FromRawFd::from_raw_fd(fd as i32) }
+}
+
+/// A new link of `program` to `cgroup`'s egress, closed (so freed) when
+/// dropped.
+fn egress_link(
+    program: std::os::fd::BorrowedFd<'_>,
+    cgroup: std::os::fd::BorrowedFd<'_>,
+) -> std::os::fd::OwnedFd {
+    use std::os::fd::AsRawFd;
+    #[repr(C)]
+    struct LinkCreate {
+        prog_fd: u32,
+        target_fd: u32,
+        attach_type: u32,
+        flags: u32,
+        rest: [u8; 48],
+    }
+    let attr = LinkCreate {
+        prog_fd: program.as_raw_fd() as u32,
+        target_fd: cgroup.as_raw_fd() as u32,
+        attach_type: 1, // BPF_CGROUP_INET_EGRESS
+        flags: 0,
+        rest: [0; 48],
+    };
+    // SAFETY: BPF_LINK_CREATE (28) reads `attr`; a new descriptor or -1.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            28,
+            &raw const attr,
+            std::mem::size_of::<LinkCreate>(),
+        )
+    };
+    assert!(
+        fd >= 0,
+        "creating a cgroup link: {}",
+        std::io::Error::last_os_error()
+    );
+    // SAFETY: as above.
+    unsafe { std::os::fd::FromRawFd::from_raw_fd(fd as i32) }
+}
+
+/// On a node where other BPF users make and free links all the time, every
+/// start of socklb succeeds. Its search for overlapping installs walks
+/// every link of the machine by id, and a link freed between its id and
+/// its descriptor (ENOENT) once ended the start with exit 1.
+#[test]
+fn links_that_come_and_go_elsewhere_never_stop_a_start() {
+    const STARTS: usize = 20;
+    require_root!();
+    let cgroup = Cgroup::new("churned");
+    let churned = Cgroup::new("churn");
+    let backend = Backend::start("b0", "127.0.0.2");
+    let args = service_args(&cgroup.path, &[vip()], &[backend.addr], &[]);
+    let program = allow_all_program();
+    let target = std::fs::File::open(&churned.path).expect("the churn cgroup");
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    // Stops the churn however the starts end, a failed one included.
+    struct StopOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
+    impl Drop for StopOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+    let links_made = std::thread::scope(|scope| {
+        let stopper = StopOnDrop(&stop);
+        let churn = scope.spawn(|| {
+            // Bounded in count and time; each link lives a moment.
+            let began = Instant::now();
+            let mut made = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed)
+                && made < 50_000_000
+                && began.elapsed() < Duration::from_secs(120)
+            {
+                drop(egress_link(program.as_fd(), target.as_fd()));
+                made += 1;
+            }
+            made
+        });
+        for start in 0..STARTS {
+            let mut daemon = Daemon::start("churned", &args);
+            daemon.wait_for(
+                &format!("start {start} attached beside the churn"),
+                Duration::from_secs(10),
+                |status| status["data_plane"]["attached"] == true,
+            );
+            daemon.signal(libc::SIGTERM);
+            daemon.wait_exit(Duration::from_secs(5)).expect("exits");
+        }
+        drop(stopper);
+        churn.join().expect("the churn thread")
+    });
+    record_figures(&format!(
+        "hardening: {STARTS} starts beside {links_made} links made and freed elsewhere: every one attached"
+    ));
+    assert!(links_made > 0, "the churn made links");
 }

@@ -189,13 +189,26 @@ fn links_by_id(own: &HashSet<u32>) -> std::io::Result<Vec<ConnectLink>> {
     for link in aya::programs::loaded_links() {
         // The syscall's own error, so that EPERM (no CAP_SYS_ADMIN) reaches
         // `overlapping`, which then looks through the pins instead.
-        let link = link.map_err(|error| match error {
+        let link = match link.map_err(|error| match error {
             aya::programs::links::LinkError::SyscallError(aya::sys::SyscallError {
                 io_error,
                 ..
             }) => io_error,
             other => std::io::Error::other(other),
-        })?;
+        }) {
+            Ok(link) => link,
+            // A link that another BPF user of the node (another socklb
+            // detaching, any agent) frees (ENOENT) or is still creating
+            // (EAGAIN: in the kernel's table, not yet settled) between its
+            // id and its descriptor. Neither is an install to refuse, and
+            // the walk goes on from its id. Failing here ended socklb's
+            // start at random on a busy node (exit 1 in hardening.rs's
+            // crash test whenever another suite ran beside it).
+            Err(error) if matches!(error.raw_os_error(), Some(libc::ENOENT | libc::EAGAIN)) => {
+                continue;
+            }
+            Err(error) => return Err(error),
+        };
         if own.contains(&link.id()) || !matches!(link.link_type(), Ok(LinkType::Cgroup)) {
             continue;
         }

@@ -427,7 +427,9 @@ pub fn record_figures(line: &str) {
             .append(true)
             .open(path)
     {
-        let _ = writeln!(file, "{line}");
+        // One write: suites run side by side append to the same file, and
+        // an O_APPEND write of a whole line cannot interleave with theirs.
+        let _ = file.write_all(format!("{line}\n").as_bytes());
     }
 }
 

@@ -23,7 +23,7 @@ use std::{
 
 use anyhow::{Context, Result, bail};
 
-use crate::{cargo, run_checked, toolchain, workspace_root};
+use crate::{background::Background, cargo, run_checked, toolchain, workspace_root};
 
 /// The image this builds, in podman's local storage.
 pub const IMAGE: &str = "localhost/socklb:dev";
@@ -330,30 +330,6 @@ fn release_binary() -> Result<PathBuf> {
     Ok(workspace_root().join("target/release/socklb"))
 }
 
-/// The image's release build, running in the background (see
-/// [`start_release_build`]).
-pub struct ReleaseBuild {
-    child: std::process::Child,
-    log: PathBuf,
-    started: Instant,
-    waited: bool,
-}
-
-impl Drop for ReleaseBuild {
-    /// A run that ends before [`ReleaseBuild::finish`] (a failed test)
-    /// stops the build: cargo and every compiler it started.
-    fn drop(&mut self) {
-        if self.waited {
-            return;
-        }
-        if let Ok(group) = i32::try_from(self.child.id()) {
-            // SAFETY: a signal to the process group this build started.
-            unsafe { libc::kill(-group, libc::SIGKILL) };
-        }
-        let _ = self.child.wait();
-    }
-}
-
 /// Starts the image's release build in the background, at the lowest CPU
 /// priority (nice 19) and one job: while `cargo xtask test` runs its
 /// suites, which mostly wait on timers, the build takes the CPU they leave,
@@ -361,65 +337,15 @@ impl Drop for ReleaseBuild {
 /// test-deploy 62 s instead of 394 s; the build itself took 20 minutes at
 /// that priority, beside the suites). Its output goes to
 /// target/release-build.log.
-pub fn start_release_build() -> Result<ReleaseBuild> {
-    use std::os::unix::process::CommandExt;
+pub fn start_release_build() -> Result<Background> {
     toolchain::ensure_ebpf_toolchain()?;
-    let log = workspace_root().join("target/release-build.log");
-    let output = std::fs::File::create(&log)?;
     let mut command = cargo();
-    command
-        .args(RELEASE_BUILD)
-        .args(["--jobs", "1"])
-        .stdin(std::process::Stdio::null())
-        .stdout(output.try_clone()?)
-        .stderr(output)
-        // Its own process group, so that an early end of the tests stops
-        // cargo and its compilers together (Drop).
-        .process_group(0);
-    // SAFETY: setpriority and prctl are async-signal-safe, and the
-    // closure touches nothing else between fork and exec. The death
-    // signal stops cargo if xtask is killed before its Drop can.
-    unsafe {
-        command.pre_exec(|| {
-            if libc::setpriority(libc::PRIO_PROCESS, 0, 19) != 0
-                || libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0
-            {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    let child = command
-        .spawn()
-        .context("starting the release build in the background")?;
-    println!(
-        "xtask: building the release socklb in the background (nice 19, one job; {})",
-        log.display()
-    );
-    Ok(ReleaseBuild {
-        child,
-        log,
-        started: Instant::now(),
-        waited: false,
-    })
-}
-
-impl ReleaseBuild {
-    /// Waits for the build; its log's end if it failed.
-    pub fn finish(mut self) -> Result<()> {
-        let status = self.child.wait()?;
-        self.waited = true;
-        let took = self.started.elapsed().as_secs();
-        if status.success() {
-            println!("xtask: the background release build finished after {took} s");
-            return Ok(());
-        }
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        bail!(
-            "the background release build failed ({status}) after {took} s:\n{}",
-            crate::last_lines(&text, 30)
-        )
-    }
+    command.args(RELEASE_BUILD).args(["--jobs", "1"]);
+    Background::start(
+        "the release build of socklb",
+        command,
+        workspace_root().join("target/release-build.log"),
+    )
 }
 
 /// The build context: the stripped binary, and a Containerfile that is the

@@ -3,6 +3,7 @@
 //!
 //! Each verb finds or installs what it needs and says what it did.
 
+mod background;
 mod bench;
 mod check;
 mod demo;
@@ -11,6 +12,7 @@ mod fuzz;
 mod image;
 mod readme;
 mod soak;
+mod suites;
 mod toolchain;
 
 use std::{
@@ -44,13 +46,20 @@ enum Verb {
     Test {
         /// Also build the release socklb that `test-deploy` ships, in the
         /// background while the tests run (nice 19, one job), in the CPU the
-        /// suites leave idle. Not in CI yet: beside it, hardening.rs's
-        /// crash test once saw socklb exit 1 at pin 9, unexplained (its log
-        /// is now kept). (discovery.rs's drain test also failed once beside
-        /// it: a race in the test, fixed.)
+        /// suites leave idle. Not in CI, where test-deploy builds it.
+        /// (Beside it, hardening.rs's crash test once saw socklb exit 1:
+        /// a link that another BPF user freed during socklb's search for
+        /// other installs, since fixed; discovery.rs's drain test also
+        /// failed once: a race in the test, fixed.)
         #[arg(long)]
         release_in_background: bool,
-        /// Extra arguments for `cargo test`, after `--`.
+        /// How many test binaries run at once (each runs its tests one at a
+        /// time). Two halve the time on 2 cores; four were seen to disturb
+        /// upgrade.rs's exact counts once.
+        #[arg(long, default_value_t = 2)]
+        jobs: usize,
+        /// Arguments for building the tests (`--test redirect`), then after
+        /// a second `--`, for each test binary (`--nocapture`, a filter).
         #[arg(last = true)]
         cargo_args: Vec<String>,
     },
@@ -114,8 +123,9 @@ fn main() -> Result<()> {
         Verb::Check => check::run(),
         Verb::Test {
             release_in_background,
+            jobs,
             cargo_args,
-        } => test(release_in_background, &cargo_args),
+        } => test(release_in_background, jobs, &cargo_args),
         Verb::Image => {
             let image = image::build()?;
             println!("{image}");
@@ -239,35 +249,49 @@ const TEST_PACKAGES: &[(&str, &str)] = &[
     ("openssl", "openssl"),
 ];
 
-fn test(release_in_background: bool, cargo_args: &[String]) -> Result<()> {
+fn test(release_in_background: bool, jobs: usize, cargo_args: &[String]) -> Result<()> {
     if !is_root() {
         bail!("cargo xtask test loads eBPF programs and creates cgroups: run it as root");
     }
     toolchain::install_debian_packages(TEST_PACKAGES)?;
     let python = toolchain::ensure_python_env()?;
     build_all()?;
+    let (build_args, binary_args) = suites::split_args(cargo_args);
+    println!("xtask: building the tests");
+    let suites = suites::build(&build_args)?;
+    if build_args.is_empty() {
+        // Doc tests have no binary of their own to run; they are quick.
+        run_checked(cargo().args(["test", "--workspace", "--exclude", "lb-ebpf", "--doc"]))?;
+    }
     let release = release_in_background
         .then(image::start_release_build)
         .transpose()?;
+    // A short bounded fuzz pass, in the CPU the suites leave; `cargo xtask
+    // fuzz --seconds N` runs longer.
+    let fuzz = {
+        let mut command = Command::new(std::env::current_exe()?);
+        command.args(["fuzz", "--seconds", &FUZZ_SECONDS_IN_TEST.to_string()]);
+        background::Background::start(
+            "the fuzz pass",
+            command,
+            workspace_root().join("target/fuzz.log"),
+        )?
+    };
     sweep_leftovers();
     let target = workspace_root().join("target/debug");
     // The scenario suites append their figures here; printed at the end.
     let figures = workspace_root().join("target/scenario-figures.txt");
     let _ = std::fs::remove_file(&figures);
-    println!("xtask: running every test (unit, then privileged integration tests)");
-    let test_args = one_test_at_a_time(cargo_args);
-    run_checked(
-        cargo()
-            .args(["test", "--workspace", "--exclude", "lb-ebpf"])
-            .args(&test_args)
+    suites::run(suites, &binary_args, jobs, &|command: &mut Command| {
+        command
             .env("SOCKLB_BIN", target.join("socklb"))
             .env("LBCLIENT_BIN", target.join("lbclient"))
             .env("SOCKLB_PYTHON", &python)
             .env("SOCKLB_FIGURES", &figures)
             // Every test runs for real: a missing privilege or prerequisite
             // fails it instead of skipping it.
-            .env(socklb_tests::NO_SKIP_ENV, "1"),
-    )?;
+            .env(socklb_tests::NO_SKIP_ENV, "1");
+    })?;
     if let Ok(text) = std::fs::read_to_string(&figures) {
         println!("xtask: scenario figures\n{text}");
     }
@@ -281,9 +305,8 @@ fn test(release_in_background: bool, cargo_args: &[String]) -> Result<()> {
         seed: soak_seed_in_test(std::env::var("SOCKLB_SOAK_SEED").ok().as_deref())?,
         report: workspace_root().join("target/soak/SOAK.md"),
     })?;
-    // A short bounded pass; `cargo xtask fuzz --seconds N` runs longer.
-    fuzz::run(FUZZ_SECONDS_IN_TEST)?;
-    release.map_or(Ok(()), image::ReleaseBuild::finish)
+    fuzz.finish()?;
+    release.map_or(Ok(()), background::Background::finish)
 }
 
 /// `cargo test` arguments that run one test at a time, unless the caller

@@ -1,0 +1,366 @@
+//! The test binaries of `cargo xtask test`: built once with `cargo test
+//! --no-run`, then run here, each with one test at a time, and up to
+//! `--jobs` binaries (two by default) at once.
+//!
+//! Why not `cargo test`: it runs one binary after the other, and the
+//! privileged suites mostly wait on the daemon's timers (probe intervals,
+//! detection bounds, drains), not on the CPU. On the 2-core machine, two
+//! lanes ran every suite in 440 s against 815 s for one, and each suite
+//! took about as long as alone (herd 93 s against 95, scenarios 48 against
+//! 47). Inside a binary the tests still run one at a time: many of them
+//! share a fixture, and the test harness would run them on threads of one
+//! process. Four lanes took 195 s, but upgrade.rs's exact counts then timed
+//! out once (one connection more than held, for 10 s, at a load average of
+//! 8), so the default stays at two.
+
+use std::{
+    collections::VecDeque,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    sync::Mutex,
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail};
+
+use crate::{cargo, workspace_root};
+
+/// One test binary.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Suite {
+    /// Its source, from the workspace root: `tests/tests/upgrade.rs`.
+    pub source: String,
+    pub executable: PathBuf,
+    /// Where `cargo test` would run it: its package's directory.
+    pub package_dir: PathBuf,
+}
+
+/// How long each of the longest suites took in a clean-clone CI run (one
+/// lane, 036c23c; upgrade.rs includes building the two old versions it
+/// upgrades from). Only the order matters: the longest start first, so
+/// that no long suite starts last and runs alone. Unlisted suites are
+/// short and go after them.
+const SECONDS_IN_CI: &[(&str, u32)] = &[
+    ("tests/tests/upgrade.rs", 147),
+    ("tests/tests/herd.rs", 95),
+    ("tests/tests/hardening.rs", 92),
+    ("tests/tests/socket_table.rs", 60),
+    ("tests/tests/operations.rs", 56),
+    ("tests/tests/passive.rs", 53),
+    ("tests/tests/hostile_sources.rs", 51),
+    ("tests/tests/fleet.rs", 50),
+    ("tests/tests/accel.rs", 47),
+    ("tests/tests/scenarios.rs", 47),
+    ("tests/tests/hand_back.rs", 40),
+    ("tests/tests/etcd.rs", 24),
+    ("tests/tests/redirect.rs", 14),
+    ("tests/tests/lifecycle.rs", 11),
+    ("tests/tests/discovery.rs", 8),
+];
+
+/// Splits `cargo xtask test -- ARGS` into the arguments of the build
+/// (`--test redirect`, `--package …`) and those of each binary (after a
+/// second `--`), which run one test at a time unless told otherwise.
+pub fn split_args(cargo_args: &[String]) -> (Vec<String>, Vec<String>) {
+    let (build, mut binary) = match cargo_args.iter().position(|arg| arg == "--") {
+        Some(at) => (cargo_args[..at].to_vec(), cargo_args[at + 1..].to_vec()),
+        None => (cargo_args.to_vec(), Vec::new()),
+    };
+    if !binary.iter().any(|arg| arg.starts_with("--test-threads")) {
+        binary.push("--test-threads=1".to_string());
+    }
+    (build, binary)
+}
+
+/// Builds every test binary of the workspace (but lb-ebpf), or those that
+/// `build_args` select, and lists them in the order they should start.
+pub fn build(build_args: &[String]) -> Result<Vec<Suite>> {
+    let output = cargo()
+        .args(["test", "--workspace", "--exclude", "lb-ebpf", "--no-run"])
+        .arg("--message-format=json-render-diagnostics")
+        .args(build_args)
+        .stderr(Stdio::inherit())
+        .output()
+        .context("starting cargo test --no-run")?;
+    if !output.status.success() {
+        bail!("building the tests failed ({})", output.status);
+    }
+    let text = String::from_utf8(output.stdout).context("cargo's messages are not UTF-8")?;
+    let mut suites = suites_in(&text, &workspace_root())?;
+    in_starting_order(&mut suites);
+    Ok(suites)
+}
+
+/// The test binaries among cargo's JSON messages.
+fn suites_in(messages: &str, root: &Path) -> Result<Vec<Suite>> {
+    let mut suites = Vec::new();
+    for line in messages.lines().filter(|line| line.starts_with('{')) {
+        let message: serde_json::Value =
+            serde_json::from_str(line).with_context(|| format!("cargo's message {line}"))?;
+        if message["reason"] != "compiler-artifact" || message["profile"]["test"] != true {
+            continue;
+        }
+        let Some(executable) = message["executable"].as_str() else {
+            continue;
+        };
+        let field = |value: &serde_json::Value, name: &str| {
+            value
+                .as_str()
+                .map(PathBuf::from)
+                .with_context(|| format!("cargo's message has no {name}: {line}"))
+        };
+        let source = field(&message["target"]["src_path"], "target.src_path")?;
+        let manifest = field(&message["manifest_path"], "manifest_path")?;
+        suites.push(Suite {
+            source: source
+                .strip_prefix(root)
+                .unwrap_or(&source)
+                .display()
+                .to_string(),
+            executable: PathBuf::from(executable),
+            package_dir: manifest
+                .parent()
+                .context("a manifest path has a directory")?
+                .to_path_buf(),
+        });
+    }
+    Ok(suites)
+}
+
+/// Longest first, by [`SECONDS_IN_CI`]; the rest after, in cargo's order.
+fn in_starting_order(suites: &mut [Suite]) {
+    let seconds = |suite: &Suite| {
+        SECONDS_IN_CI
+            .iter()
+            .find(|(source, _)| *source == suite.source)
+            .map_or(0, |(_, seconds)| *seconds)
+    };
+    suites.sort_by_key(|suite| std::cmp::Reverse(seconds(suite)));
+}
+
+/// How one suite went.
+struct Outcome {
+    source: String,
+    passed: bool,
+    took: Duration,
+    log: PathBuf,
+}
+
+/// Runs `suites` in `jobs` lanes, each binary with `binary_args` and what
+/// `environment` sets. Each suite's output goes to target/test-logs and is
+/// printed whole when it ends, so that two suites never interleave. Every
+/// suite runs even when one fails; the run then fails naming them.
+pub fn run(
+    suites: Vec<Suite>,
+    binary_args: &[String],
+    jobs: usize,
+    environment: &(dyn Fn(&mut Command) + Sync),
+) -> Result<()> {
+    let logs = workspace_root().join("target/test-logs");
+    let _ = std::fs::remove_dir_all(&logs);
+    std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
+    let count = suites.len();
+    let jobs = jobs.clamp(1, count.max(1));
+    println!(
+        "xtask: running {count} test binaries, {jobs} at a time (logs in {})",
+        logs.display()
+    );
+    let waiting = Mutex::new(VecDeque::from(suites));
+    let outcomes = Mutex::new(Vec::new());
+    let started = Instant::now();
+    std::thread::scope(|scope| {
+        for _ in 0..jobs {
+            scope.spawn(|| {
+                loop {
+                    let next = waiting.lock().expect("queue").pop_front();
+                    let Some(suite) = next else { break };
+                    let outcome = run_one(&suite, binary_args, &logs, environment);
+                    outcomes.lock().expect("outcomes").push(outcome);
+                }
+            });
+        }
+    });
+    let outcomes = outcomes.into_inner().expect("outcomes");
+    summarise(&outcomes, started.elapsed())
+}
+
+/// Runs one suite to its end and prints its log.
+fn run_one(
+    suite: &Suite,
+    binary_args: &[String],
+    logs: &Path,
+    environment: &(dyn Fn(&mut Command) + Sync),
+) -> Outcome {
+    let log = logs.join(format!("{}.log", suite.source.replace('/', "_")));
+    println!("xtask: {}: started", suite.source);
+    let started = Instant::now();
+    let status = std::fs::File::create(&log).and_then(|file| {
+        let mut command = Command::new(&suite.executable);
+        command
+            .args(binary_args)
+            .current_dir(&suite.package_dir)
+            .stdin(Stdio::null())
+            .stdout(file.try_clone()?)
+            .stderr(file);
+        environment(&mut command);
+        command.status()
+    });
+    let took = started.elapsed();
+    let passed = match &status {
+        Ok(status) => status.success(),
+        Err(error) => {
+            let _ = std::fs::write(
+                &log,
+                format!("could not run {}: {error}\n", suite.executable.display()),
+            );
+            false
+        }
+    };
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    let verdict = if passed { "ok" } else { "FAILED" };
+    // One print, so that lanes never interleave within a suite's log.
+    println!(
+        "xtask: ── {} ({}) ──\n{text}xtask: {}: {verdict} in {:.1} s",
+        suite.source,
+        suite.executable.display(),
+        suite.source,
+        took.as_secs_f64()
+    );
+    Outcome {
+        source: suite.source.clone(),
+        passed,
+        took,
+        log,
+    }
+}
+
+/// Prints each suite's time, longest first, and fails naming the suites
+/// that failed.
+fn summarise(outcomes: &[Outcome], wall: Duration) -> Result<()> {
+    let mut by_time: Vec<&Outcome> = outcomes.iter().collect();
+    by_time.sort_by_key(|outcome| std::cmp::Reverse(outcome.took));
+    let sum: Duration = outcomes.iter().map(|outcome| outcome.took).sum();
+    println!(
+        "xtask: {} test binaries in {:.0} s ({:.0} s one after the other):",
+        outcomes.len(),
+        wall.as_secs_f64(),
+        sum.as_secs_f64()
+    );
+    for outcome in &by_time {
+        let verdict = if outcome.passed { "ok" } else { "FAILED" };
+        println!(
+            "  {:>6.1} s  {verdict:<6}  {}",
+            outcome.took.as_secs_f64(),
+            outcome.source
+        );
+    }
+    let failed: Vec<String> = outcomes
+        .iter()
+        .filter(|outcome| !outcome.passed)
+        .map(|outcome| format!("{} (log: {})", outcome.source, outcome.log.display()))
+        .collect();
+    if !failed.is_empty() {
+        bail!(
+            "{} test binaries failed:\n  {}",
+            failed.len(),
+            failed.join("\n  ")
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_binary_runs_one_test_at_a_time_unless_told() {
+        let args = |list: &[&str]| list.iter().map(ToString::to_string).collect::<Vec<_>>();
+        assert_eq!(
+            split_args(&args(&["--test", "redirect"])),
+            (args(&["--test", "redirect"]), args(&["--test-threads=1"]))
+        );
+        assert_eq!(
+            split_args(&args(&["--test", "redirect", "--", "--nocapture", "vip"])),
+            (
+                args(&["--test", "redirect"]),
+                args(&["--nocapture", "vip", "--test-threads=1"])
+            )
+        );
+        assert_eq!(
+            split_args(&args(&["--", "--test-threads=4"])),
+            (args(&[]), args(&["--test-threads=4"]))
+        );
+    }
+
+    #[test]
+    fn test_binaries_are_found_among_cargos_messages_longest_first() {
+        let artifact = |kind: &str, source: &str, test: bool, executable: Option<&str>| {
+            serde_json::json!({
+                "reason": "compiler-artifact",
+                "manifest_path": "/w/tests/Cargo.toml",
+                "target": { "kind": [kind], "name": "x", "src_path": source },
+                "profile": { "test": test },
+                "executable": executable,
+            })
+            .to_string()
+        };
+        let messages = [
+            artifact(
+                "lib",
+                "/w/tests/src/lib.rs",
+                true,
+                Some("/w/target/debug/deps/lib-1"),
+            ),
+            // A library built for the tests, not a test: no executable.
+            artifact("lib", "/w/lb-common/src/lib.rs", false, None),
+            // A helper binary that the tests run, not a test.
+            artifact(
+                "bin",
+                "/w/tests/src/bin/lbclient.rs",
+                false,
+                Some("/w/target/debug/lbclient"),
+            ),
+            artifact(
+                "test",
+                "/w/tests/tests/redirect.rs",
+                true,
+                Some("/w/target/debug/deps/redirect-2"),
+            ),
+            artifact(
+                "test",
+                "/w/tests/tests/upgrade.rs",
+                true,
+                Some("/w/target/debug/deps/upgrade-3"),
+            ),
+            r#"{"reason":"build-finished","success":true}"#.to_string(),
+        ]
+        .join("\n");
+        let mut suites = suites_in(&messages, Path::new("/w")).expect("cargo's messages");
+        in_starting_order(&mut suites);
+        let sources: Vec<&str> = suites.iter().map(|suite| suite.source.as_str()).collect();
+        assert_eq!(
+            sources,
+            [
+                "tests/tests/upgrade.rs",
+                "tests/tests/redirect.rs",
+                "tests/src/lib.rs"
+            ]
+        );
+        assert_eq!(
+            suites[0].executable,
+            Path::new("/w/target/debug/deps/upgrade-3")
+        );
+        assert_eq!(suites[0].package_dir, Path::new("/w/tests"));
+    }
+
+    #[test]
+    fn a_message_without_its_source_is_an_error_that_names_the_field() {
+        let message = r#"{"reason":"compiler-artifact","profile":{"test":true},"executable":"/x","manifest_path":"/w/Cargo.toml","target":{}}"#;
+        let error = suites_in(message, Path::new("/w")).expect_err("no src_path");
+        assert!(
+            format!("{error:#}").contains("target.src_path"),
+            "{error:#}"
+        );
+    }
+}

@@ -498,6 +498,17 @@ fn crash_at(args: &[&str], crash_at: usize) -> (std::process::ExitStatus, String
     (output.status, log)
 }
 
+/// Removes an install's pins when dropped: a crashed install's, if an
+/// assertion fails before a `Daemon` owns them.
+struct PinsGuard(PathBuf);
+
+impl Drop for PinsGuard {
+    fn drop(&mut self) {
+        let _ = socklb::dataplane::remove_pins(&PinPaths::new(&self.0));
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
 #[test]
 fn a_crash_at_any_pin_of_an_install_or_uninstall_is_completed_by_the_next_start() {
     require_root!();
@@ -510,6 +521,7 @@ fn a_crash_at_any_pin_of_an_install_or_uninstall_is_completed_by_the_next_start(
     for pin_count in 1..=pins_of_an_install {
         for round in 0..2 {
             let pin_path = PathBuf::from("/sys/fs/bpf").join(unique_name("crash"));
+            let _pins = PinsGuard(pin_path.clone());
             let pin = pin_path.display().to_string();
             let mut run: Vec<&str> = vec!["run"];
             run.extend(args.iter().map(String::as_str));

@@ -205,13 +205,26 @@ fn an_install_of_the_socket_storage_layout_is_upgraded_in_place_with_exact_count
             .filter_map(|addr| backend_field(status, &addr.to_string(), "live")?.as_i64())
             .sum()
     };
-    // The held connections, and nothing else once the client's last
-    // connects have closed on both sides (a backend closes its side when
-    // the client does; until then a socket is rightly live).
+    // Exactly the client sockets that the kernel holds live to the
+    // backends: the 30 held ones, and any of the client's closed connects
+    // still in FIN_WAIT. The backends hold every connection, so a closed
+    // client socket whose last ACK came while its process held it waits
+    // in FIN_WAIT2 for tcp_fin_timeout (60 s), rightly counted; two suites
+    // side by side made that happen here (31 counted, 30 expected).
+    let live_in_kernel = || {
+        socklb_tests::sockdiag::dump_v4()
+            .expect("a sock_diag dump")
+            .iter()
+            .filter(|socket| addrs.contains(&socket.peer) && socket.is_live())
+            .count()
+    };
     upgraded.daemon.wait_for(
         "the held connections stay counted, exactly",
         Duration::from_secs(10),
-        |status| live(status) == 30,
+        |status| {
+            let kernel = live_in_kernel();
+            kernel >= 30 && usize::try_from(live(status)) == Ok(kernel)
+        },
     );
     let counts = spread(&upgraded.attempts);
     let failed = counts.get("error").copied().unwrap_or(0);

@@ -81,19 +81,26 @@ impl Background {
     /// Waits for the command; prints the end of its log, and fails with
     /// it if the command failed.
     pub fn finish(mut self) -> Result<()> {
-        let status = self.child.wait()?;
+        // Only a wait that had to wait knows when the command ended.
+        let (status, when) = match self.child.try_wait()? {
+            Some(status) => (status, "ended before it was waited for".to_string()),
+            None => {
+                let status = self.child.wait()?;
+                let took = self.started.elapsed().as_secs();
+                (status, format!("ended {took} s after its start"))
+            }
+        };
         self.waited = true;
-        let took = self.started.elapsed().as_secs();
         let text = std::fs::read_to_string(&self.log).unwrap_or_default();
         let what = &self.what;
         if !status.success() {
             bail!(
-                "{what} failed ({status}) after {took} s:\n{}",
+                "{what} failed ({status}; {when}):\n{}",
                 crate::last_lines(&text, 40)
             );
         }
         println!(
-            "xtask: {what}: finished after {took} s; its log ends:\n{}",
+            "xtask: {what}: {when}; its log ends:\n{}",
             crate::last_lines(&text, 6)
         );
         Ok(())

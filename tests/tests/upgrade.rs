@@ -211,11 +211,20 @@ fn an_install_of_the_socket_storage_layout_is_upgraded_in_place_with_exact_count
     // client socket whose last ACK came while its process held it waits
     // in FIN_WAIT2 for tcp_fin_timeout (60 s), rightly counted; two suites
     // side by side made that happen here (31 counted, 30 expected).
+    // Only the client's cgroup: the daemon's probes to the same backends
+    // are sockets too, and socklb rightly counts none of them.
+    let client_cgroup = std::os::unix::fs::MetadataExt::ino(
+        &std::fs::metadata(&upgraded.cgroup.path).expect("the client cgroup"),
+    );
     let live_in_kernel = || {
         socklb_tests::sockdiag::dump_v4()
             .expect("a sock_diag dump")
             .iter()
-            .filter(|socket| addrs.contains(&socket.peer) && socket.is_live())
+            .filter(|socket| {
+                addrs.contains(&socket.peer)
+                    && socket.is_live()
+                    && socket.cgroup_id == Some(client_cgroup)
+            })
             .count()
     };
     upgraded.daemon.wait_for(

@@ -259,7 +259,7 @@ fn test(release_in_background: bool, jobs: usize, cargo_args: &[String]) -> Resu
     let (build_args, binary_args) = suites::split_args(cargo_args);
     println!("xtask: building the tests");
     let suites = suites::build(&build_args)?;
-    if build_args.is_empty() {
+    if !suites::selects_targets(&build_args) {
         // Doc tests have no binary of their own to run; they are quick.
         run_checked(cargo().args(["test", "--workspace", "--exclude", "lb-ebpf", "--doc"]))?;
     }

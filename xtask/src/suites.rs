@@ -56,20 +56,79 @@ const SECONDS_IN_CI: &[(&str, u32)] = &[
     ("tests/tests/redirect.rs", 14),
     ("tests/tests/lifecycle.rs", 11),
     ("tests/tests/discovery.rs", 8),
+    ("tests/tests/counts.rs", 6),
+    ("tests/tests/hostile_clients.rs", 5),
+    ("tests/tests/degraded.rs", 4),
+    ("tests/tests/kubeapi.rs", 3),
+    ("tests/tests/deploy.rs", 2),
 ];
 
-/// Splits `cargo xtask test -- ARGS` into the arguments of the build
-/// (`--test redirect`, `--package …`) and those of each binary (after a
-/// second `--`), which run one test at a time unless told otherwise.
+/// `cargo test`'s options that take a value, so that the word after one
+/// is not taken for a test name.
+const OPTIONS_WITH_A_VALUE: &[&str] = &[
+    "-p",
+    "--package",
+    "--exclude",
+    "--test",
+    "--bin",
+    "--example",
+    "--bench",
+    "-F",
+    "--features",
+    "-j",
+    "--jobs",
+    "--target",
+    "--target-dir",
+    "--profile",
+    "--manifest-path",
+    "--message-format",
+    "--color",
+    "--config",
+    "-Z",
+];
+
+/// Splits `cargo xtask test -- ARGS`, read as `cargo test` reads them,
+/// into the arguments of the build (`--test redirect`, `--package …`) and
+/// those of each binary: a test name (`cargo test vip`), and whatever
+/// follows a second `--`. Each binary runs one test at a time unless told
+/// otherwise.
 pub fn split_args(cargo_args: &[String]) -> (Vec<String>, Vec<String>) {
-    let (build, mut binary) = match cargo_args.iter().position(|arg| arg == "--") {
-        Some(at) => (cargo_args[..at].to_vec(), cargo_args[at + 1..].to_vec()),
-        None => (cargo_args.to_vec(), Vec::new()),
+    let (options, after) = match cargo_args.iter().position(|arg| arg == "--") {
+        Some(at) => (&cargo_args[..at], &cargo_args[at + 1..]),
+        None => (cargo_args, &[][..]),
     };
+    let mut build = Vec::new();
+    let mut binary = Vec::new();
+    for (at, arg) in options.iter().enumerate() {
+        let is_a_value = at > 0 && OPTIONS_WITH_A_VALUE.contains(&options[at - 1].as_str());
+        if arg.starts_with('-') || is_a_value {
+            build.push(arg.clone());
+        } else {
+            binary.push(arg.clone());
+        }
+    }
+    binary.extend_from_slice(after);
     if !binary.iter().any(|arg| arg.starts_with("--test-threads")) {
         binary.push("--test-threads=1".to_string());
     }
     (build, binary)
+}
+
+/// Whether `build_args` pick some targets (then cargo refuses `--doc`
+/// beside them, and the doc tests are not asked for).
+pub fn selects_targets(build_args: &[String]) -> bool {
+    build_args.iter().any(|arg| {
+        [
+            "--test",
+            "--tests",
+            "--lib",
+            "--bin",
+            "--bins",
+            "--example",
+            "--bench",
+        ]
+        .contains(&arg.as_str())
+    })
 }
 
 /// Builds every test binary of the workspace (but lb-ebpf), or those that
@@ -138,6 +197,9 @@ fn in_starting_order(suites: &mut [Suite]) {
     suites.sort_by_key(|suite| std::cmp::Reverse(seconds(suite)));
 }
 
+/// How often the runner says which suites are still running.
+const STILL_RUNNING_EVERY: Duration = Duration::from_secs(120);
+
 /// How one suite went.
 struct Outcome {
     source: String,
@@ -166,18 +228,45 @@ pub fn run(
         logs.display()
     );
     let waiting = Mutex::new(VecDeque::from(suites));
+    let running: Mutex<Vec<(String, Instant)>> = Mutex::new(Vec::new());
     let outcomes = Mutex::new(Vec::new());
     let started = Instant::now();
     std::thread::scope(|scope| {
-        for _ in 0..jobs {
-            scope.spawn(|| {
-                loop {
-                    let next = waiting.lock().expect("queue").pop_front();
-                    let Some(suite) = next else { break };
-                    let outcome = run_one(&suite, binary_args, &logs, environment);
-                    outcomes.lock().expect("outcomes").push(outcome);
-                }
-            });
+        let lanes: Vec<_> = (0..jobs)
+            .map(|_| {
+                scope.spawn(|| {
+                    loop {
+                        let next = waiting.lock().expect("queue").pop_front();
+                        let Some(suite) = next else { break };
+                        running
+                            .lock()
+                            .expect("running")
+                            .push((suite.source.clone(), Instant::now()));
+                        let outcome = run_one(&suite, binary_args, &logs, environment);
+                        running
+                            .lock()
+                            .expect("running")
+                            .retain(|(source, _)| *source != suite.source);
+                        outcomes.lock().expect("outcomes").push(outcome);
+                    }
+                })
+            })
+            .collect();
+        // A suite's output shows only when it ends: say now and then what
+        // runs, so that a hung test shows where it hangs.
+        let mut last_said = Instant::now();
+        while !lanes.iter().all(std::thread::ScopedJoinHandle::is_finished) {
+            std::thread::sleep(Duration::from_millis(200));
+            if last_said.elapsed() >= STILL_RUNNING_EVERY {
+                last_said = Instant::now();
+                let now: Vec<String> = running
+                    .lock()
+                    .expect("running")
+                    .iter()
+                    .map(|(source, since)| format!("{source} ({} s)", since.elapsed().as_secs()))
+                    .collect();
+                println!("xtask: still running: {}", now.join(", "));
+            }
         }
     });
     let outcomes = outcomes.into_inner().expect("outcomes");
@@ -206,18 +295,18 @@ fn run_one(
         command.status()
     });
     let took = started.elapsed();
-    let passed = match &status {
-        Ok(status) => status.success(),
+    let (passed, verdict) = match &status {
+        Ok(status) if status.success() => (true, "ok".to_string()),
+        Ok(status) => (false, format!("FAILED ({status})")),
         Err(error) => {
             let _ = std::fs::write(
                 &log,
                 format!("could not run {}: {error}\n", suite.executable.display()),
             );
-            false
+            (false, "FAILED (not started)".to_string())
         }
     };
     let text = std::fs::read_to_string(&log).unwrap_or_default();
-    let verdict = if passed { "ok" } else { "FAILED" };
     // One print, so that lanes never interleave within a suite's log.
     println!(
         "xtask: ── {} ({}) ──\n{text}xtask: {}: {verdict} in {:.1} s",
@@ -291,6 +380,21 @@ mod tests {
             split_args(&args(&["--", "--test-threads=4"])),
             (args(&[]), args(&["--test-threads=4"]))
         );
+        // A test name, as `cargo test vip` takes it; an option's value is
+        // no name.
+        assert_eq!(
+            split_args(&args(&["-p", "socklb-tests", "vip", "--", "--nocapture"])),
+            (
+                args(&["-p", "socklb-tests"]),
+                args(&["vip", "--nocapture", "--test-threads=1"])
+            )
+        );
+        assert!(selects_targets(&args(&["--test", "redirect"])));
+        assert!(!selects_targets(&args(&[
+            "--no-fail-fast",
+            "-p",
+            "socklb-tests"
+        ])));
     }
 
     #[test]

@@ -55,8 +55,9 @@ enum Verb {
         release_in_background: bool,
         /// How many test binaries run at once (each runs its tests one at a
         /// time). The suites mostly wait on timers: on 2 cores two lanes
-        /// take about half the time of one, and three about 40 %.
-        #[arg(long, default_value_t = 3)]
+        /// take about half the time of one. Three take about 40 %, but
+        /// then a starved daemon can miss a suite's promised times.
+        #[arg(long, default_value_t = 2)]
         jobs: usize,
         /// Arguments for building the tests (`--test redirect`), then after
         /// a second `--`, for each test binary (`--nocapture`, a filter).

@@ -59,8 +59,9 @@ enum Verb {
         /// then a starved daemon can miss a suite's promised times.
         #[arg(long, default_value_t = 2)]
         jobs: usize,
-        /// Arguments for building the tests (`--test redirect`), then after
-        /// a second `--`, for each test binary (`--nocapture`, a filter).
+        /// Arguments as `cargo test` reads them: options select what is
+        /// built (`--test redirect`), a test name filters the tests, and
+        /// what follows a second `--` goes to each binary (`--nocapture`).
         #[arg(last = true)]
         cargo_args: Vec<String>,
     },

@@ -1060,21 +1060,21 @@ fn allow_all_program() -> std::os::fd::OwnedFd {
         expected_attach_type: 1, // BPF_CGROUP_INET_EGRESS
         rest: [0; 56],
     };
-    // SAFETY: BPF_PROG_LOAD (5) reads `attr` and the arrays it points to,
-    // which outlive the call; it returns a new descriptor or -1.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            5,
-            &raw const attr,
-            std::mem::size_of::<ProgLoad>(),
-        )
-    };
-    assert!(
-        fd >= 0,
-        "loading a cgroup_skb program: {}",
-        std::io::Error::last_os_error()
-    );
+    // SAFETY: BPF_PROG_LOAD reads `attr` and the arrays it points to,
+    // which outlive the call.
+    unsafe { bpf_new_fd(5, &attr, "loading a cgroup_skb program") }
+}
+
+/// bpf(2) with a command that returns a new descriptor (5 BPF_PROG_LOAD,
+/// 28 BPF_LINK_CREATE); panics naming `what` if it fails.
+///
+/// # Safety
+/// `attr` is that command's `union bpf_attr` layout, and whatever it points
+/// to lives through the call.
+unsafe fn bpf_new_fd<T>(command: i64, attr: &T, what: &str) -> std::os::fd::OwnedFd {
+    // SAFETY: the caller's promise; the kernel reads size_of::<T>() bytes.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, command, attr as *const T, size_of::<T>()) };
+    assert!(fd >= 0, "{what}: {}", std::io::Error::last_os_error());
     // SAFETY: a descriptor the kernel just returned, owned by nobody else.
     unsafe { std::os::fd::FromRawFd::from_raw_fd(fd as i32) }
 }
@@ -1101,22 +1101,8 @@ fn egress_link(
         flags: 0,
         rest: [0; 48],
     };
-    // SAFETY: BPF_LINK_CREATE (28) reads `attr`; a new descriptor or -1.
-    let fd = unsafe {
-        libc::syscall(
-            libc::SYS_bpf,
-            28,
-            &raw const attr,
-            std::mem::size_of::<LinkCreate>(),
-        )
-    };
-    assert!(
-        fd >= 0,
-        "creating a cgroup link: {}",
-        std::io::Error::last_os_error()
-    );
-    // SAFETY: as above.
-    unsafe { std::os::fd::FromRawFd::from_raw_fd(fd as i32) }
+    // SAFETY: BPF_LINK_CREATE reads `attr`, which points to nothing.
+    unsafe { bpf_new_fd(28, &attr, "creating a cgroup link") }
 }
 
 /// On a node where other BPF users make and free links all the time, every

@@ -108,6 +108,11 @@ enum Verb {
         /// Where the report goes.
         #[arg(long, default_value = "bench/results/SOAK.md")]
         report: PathBuf,
+        /// Use the binaries already built in target/debug, as `cargo xtask
+        /// test` does for its own soak: no packages installed, nothing
+        /// built, and the debug socklb unless SOCKLB_BIN names another.
+        #[arg(long)]
+        prebuilt: bool,
     },
     /// Fuzz the config parser (TOML and flags) with cargo-fuzz, each target
     /// for a bounded time.
@@ -150,16 +155,20 @@ fn main() -> Result<()> {
             minutes,
             seed,
             report,
+            prebuilt,
         } => {
-            if is_root() {
-                toolchain::install_debian_packages(TEST_PACKAGES)?;
-            }
-            build_all()?;
-            // The daemon as it ships, a release build: its memory is judged
-            // over the run, and a debug build's frames and allocations are
-            // not what a node runs. A SOCKLB_BIN already set is kept.
-            if std::env::var_os("SOCKLB_BIN").is_none() {
-                bench::build_release(&workspace_root(), &[])?;
+            if !prebuilt {
+                if is_root() {
+                    toolchain::install_debian_packages(TEST_PACKAGES)?;
+                }
+                build_all()?;
+                // The daemon as it ships, a release build: its memory is
+                // judged over the run, and a debug build's frames and
+                // allocations are not what a node runs. A SOCKLB_BIN
+                // already set is kept.
+                if std::env::var_os("SOCKLB_BIN").is_none() {
+                    bench::build_release(&workspace_root(), &[])?;
+                }
             }
             soak::run(&soak::Options {
                 minutes,
@@ -256,11 +265,19 @@ fn test(release_in_background: bool, jobs: usize, cargo_args: &[String]) -> Resu
         bail!("cargo xtask test loads eBPF programs and creates cgroups: run it as root");
     }
     toolchain::install_debian_packages(TEST_PACKAGES)?;
-    let python = toolchain::ensure_python_env()?;
-    build_all()?;
+    // The soak's seed is checked before anything is built.
+    let soak_seed = soak_seed_in_test(std::env::var("SOCKLB_SOAK_SEED").ok().as_deref())?;
+    // The Python environment (packages from the network) while socklb
+    // builds.
+    let python = std::thread::scope(|scope| {
+        let python = scope.spawn(toolchain::ensure_python_env);
+        let built = build_all();
+        let python = python.join().expect("the Python environment's thread");
+        built.and(python)
+    })?;
     let (build_args, binary_args) = suites::split_args(cargo_args);
     println!("xtask: building the tests");
-    let suites = suites::build(&build_args)?;
+    let mut suites = suites::build(&build_args)?;
     if !suites::selects_targets(&build_args) {
         // Doc tests have no binary of their own to run; they are quick.
         run_checked(cargo().args(["test", "--workspace", "--exclude", "lb-ebpf", "--doc"]))?;
@@ -281,6 +298,32 @@ fn test(release_in_background: bool, jobs: usize, cargo_args: &[String]) -> Resu
     };
     sweep_leftovers();
     let target = workspace_root().join("target/debug");
+    // The old versions upgrade.rs upgrades from take minutes to build on a
+    // fresh machine: they build from the start, in the CPU the suites
+    // leave, and upgrade.rs starts last (it waits for them if it must).
+    let old_versions = suites::wants_old_versions(&suites, &binary_args)
+        .then(|| {
+            let mut command = Command::new(target.join("oldsocklb"));
+            command.env("SOCKLB_BIN", target.join("socklb"));
+            background::Background::start(
+                "building upgrade.rs's old versions",
+                command,
+                workspace_root().join("target/old-versions.log"),
+            )
+        })
+        .transpose()?;
+    // The invariants under overlapping faults, on every change, as a job
+    // of its own that starts once every other suite but upgrade.rs has
+    // (suites.rs: STARTS_LAST). One fixed schedule, so that a red run
+    // means the change broke a promise, not that a new draw found an old
+    // problem: new draws are `cargo xtask soak`'s job. SOCKLB_SOAK_SEED
+    // replays another seed, or draws a new one with "random".
+    suites.push(suites::soak(
+        std::env::current_exe()?,
+        SOAK_MINUTES_IN_TEST,
+        soak_seed,
+        &workspace_root().join("target/soak/SOAK.md"),
+    ));
     // The scenario suites append their figures here; printed at the end.
     let figures = workspace_root().join("target/scenario-figures.txt");
     let _ = std::fs::remove_file(&figures);
@@ -297,16 +340,7 @@ fn test(release_in_background: bool, jobs: usize, cargo_args: &[String]) -> Resu
     if let Ok(text) = std::fs::read_to_string(&figures) {
         println!("xtask: scenario figures\n{text}");
     }
-    // The invariants under overlapping faults, on every change. One fixed
-    // schedule, so that a red run means the change broke a promise, not
-    // that a new draw found an old problem: new draws are `cargo xtask
-    // soak`'s job. SOCKLB_SOAK_SEED replays another seed, or draws a new
-    // one with "random".
-    soak::run(&soak::Options {
-        minutes: SOAK_MINUTES_IN_TEST,
-        seed: soak_seed_in_test(std::env::var("SOCKLB_SOAK_SEED").ok().as_deref())?,
-        report: workspace_root().join("target/soak/SOAK.md"),
-    })?;
+    old_versions.map_or(Ok(()), background::Background::finish)?;
     fuzz.finish()?;
     release.map_or(Ok(()), background::Background::finish)
 }

@@ -36,15 +36,70 @@ pub struct Suite {
     pub executable: PathBuf,
     /// Where `cargo test` would run it: its package's directory.
     pub package_dir: PathBuf,
+    /// The arguments of a job that is not a test binary (the soak); a test
+    /// binary takes the run's own.
+    pub own_args: Option<Vec<String>>,
+}
+
+/// The soak's name among the suites.
+pub const SOAK: &str = "cargo xtask soak";
+
+/// The upgrade suite, which needs the old versions built.
+pub const UPGRADE: &str = "tests/tests/upgrade.rs";
+
+/// The soak of `cargo xtask test` as a job of the runner: `xtask soak
+/// --prebuilt`, with the binaries this run built.
+pub fn soak(xtask: PathBuf, minutes: u64, seed: Option<u64>, report: &Path) -> Suite {
+    let mut args = vec![
+        "soak".to_string(),
+        "--prebuilt".to_string(),
+        "--minutes".to_string(),
+        minutes.to_string(),
+        "--report".to_string(),
+        report.display().to_string(),
+    ];
+    if let Some(seed) = seed {
+        args.extend(["--seed".to_string(), seed.to_string()]);
+    }
+    Suite {
+        source: SOAK.to_string(),
+        executable: xtask,
+        package_dir: workspace_root(),
+        own_args: Some(args),
+    }
+}
+
+/// Whether this run needs the old versions upgrade.rs upgrades from: it
+/// runs upgrade.rs, and no test name narrows what each binary runs.
+pub fn wants_old_versions(suites: &[Suite], binary_args: &[String]) -> bool {
+    suites.iter().any(|suite| suite.source == UPGRADE) && !names_tests(binary_args)
+}
+
+/// The test harness's options that take a value in the next argument.
+const HARNESS_OPTIONS_WITH_A_VALUE: &[&str] = &[
+    "--skip",
+    "--logfile",
+    "--format",
+    "--color",
+    "-Z",
+    "--test-threads",
+];
+
+/// Whether the binaries' arguments name tests (`cargo test vip`), so that
+/// each binary runs only some of its tests.
+fn names_tests(binary_args: &[String]) -> bool {
+    binary_args.iter().enumerate().any(|(at, arg)| {
+        let is_a_value =
+            at > 0 && HARNESS_OPTIONS_WITH_A_VALUE.contains(&binary_args[at - 1].as_str());
+        !arg.starts_with('-') && !is_a_value
+    })
 }
 
 /// How long each of the longest suites took in a clean-clone CI run (one
-/// lane, 036c23c; upgrade.rs includes building the two old versions it
-/// upgrades from). Only the order matters: the longest start first, so
+/// lane, 036c23c). Only the order matters: the longest start first, so
 /// that no long suite starts last and runs alone. Unlisted suites are
-/// short and go after them.
+/// short and go after them, and [`STARTS_LAST`] after every other.
 const SECONDS_IN_CI: &[(&str, u32)] = &[
-    ("tests/tests/upgrade.rs", 147),
     ("tests/tests/herd.rs", 95),
     ("tests/tests/hardening.rs", 92),
     ("tests/tests/socket_table.rs", 60),
@@ -65,6 +120,16 @@ const SECONDS_IN_CI: &[(&str, u32)] = &[
     ("tests/tests/kubeapi.rs", 3),
     ("tests/tests/deploy.rs", 2),
 ];
+
+/// The jobs that start after every other, in this order:
+/// - the soak, whose invariants hold under load but which should not run
+///   beside the longest suites (a herd of 1,000 agents);
+/// - upgrade.rs, whose two tests take 20 s once the old versions it
+///   upgrades from are built, and those take minutes on a fresh machine:
+///   they build in the background from the start (`oldsocklb`), and
+///   upgrade.rs waits for them if it must. Run first, as before, it held
+///   a lane for 432 s of building (e3433e8's clean-clone CI run).
+const STARTS_LAST: &[&str] = &[SOAK, UPGRADE];
 
 /// `cargo test`'s options that take a value, so that the word after one
 /// is not taken for a test name.
@@ -135,7 +200,7 @@ pub fn selects_targets(build_args: &[String]) -> bool {
 }
 
 /// Builds every test binary of the workspace (but lb-ebpf), or those that
-/// `build_args` select, and lists them in the order they should start.
+/// `build_args` select, and lists them.
 pub fn build(build_args: &[String]) -> Result<Vec<Suite>> {
     let output = cargo()
         .args(["test", "--workspace", "--exclude", "lb-ebpf", "--no-run"])
@@ -148,9 +213,7 @@ pub fn build(build_args: &[String]) -> Result<Vec<Suite>> {
         bail!("building the tests failed ({})", output.status);
     }
     let text = String::from_utf8(output.stdout).context("cargo's messages are not UTF-8")?;
-    let mut suites = suites_in(&text, &workspace_root())?;
-    in_starting_order(&mut suites);
-    Ok(suites)
+    suites_in(&text, &workspace_root())
 }
 
 /// The test binaries among cargo's JSON messages.
@@ -184,12 +247,14 @@ fn suites_in(messages: &str, root: &Path) -> Result<Vec<Suite>> {
                 .parent()
                 .context("a manifest path has a directory")?
                 .to_path_buf(),
+            own_args: None,
         });
     }
     Ok(suites)
 }
 
-/// Longest first, by [`SECONDS_IN_CI`]; the rest after, in cargo's order.
+/// Longest first, by [`SECONDS_IN_CI`]; the rest after, in cargo's order;
+/// then [`STARTS_LAST`].
 fn in_starting_order(suites: &mut [Suite]) {
     let seconds = |suite: &Suite| {
         SECONDS_IN_CI
@@ -197,7 +262,12 @@ fn in_starting_order(suites: &mut [Suite]) {
             .find(|(source, _)| *source == suite.source)
             .map_or(0, |(_, seconds)| *seconds)
     };
-    suites.sort_by_key(|suite| std::cmp::Reverse(seconds(suite)));
+    let last = |suite: &Suite| {
+        STARTS_LAST
+            .iter()
+            .position(|source| *source == suite.source)
+    };
+    suites.sort_by_key(|suite| (last(suite), std::cmp::Reverse(seconds(suite))));
 }
 
 /// How often the runner says which suites are still running.
@@ -211,12 +281,13 @@ struct Outcome {
     log: PathBuf,
 }
 
-/// Runs `suites` in `jobs` lanes, each binary with `binary_args` and what
+/// Runs `suites` in `jobs` lanes, longest first and [`STARTS_LAST`] last,
+/// each test binary with `binary_args`, and each suite with what
 /// `environment` sets. Each suite's output goes to target/test-logs and is
 /// printed whole when it ends, so that two suites never interleave. Every
 /// suite runs even when one fails; the run then fails naming them.
 pub fn run(
-    suites: Vec<Suite>,
+    mut suites: Vec<Suite>,
     binary_args: &[String],
     jobs: usize,
     environment: &(dyn Fn(&mut Command) + Sync),
@@ -224,10 +295,11 @@ pub fn run(
     let logs = workspace_root().join("target/test-logs");
     let _ = std::fs::remove_dir_all(&logs);
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
+    in_starting_order(&mut suites);
     let count = suites.len();
     let jobs = jobs.clamp(1, count.max(1));
     println!(
-        "xtask: running {count} test binaries, {jobs} at a time (logs in {})",
+        "xtask: running {count} suites, {jobs} at a time (logs in {})",
         logs.display()
     );
     let waiting = Mutex::new(VecDeque::from(suites));
@@ -289,7 +361,7 @@ fn run_one(
     let status = std::fs::File::create(&log).and_then(|file| {
         let mut command = Command::new(&suite.executable);
         command
-            .args(binary_args)
+            .args(suite.own_args.as_deref().unwrap_or(binary_args))
             .current_dir(&suite.package_dir)
             .stdin(Stdio::null())
             .stdout(file.try_clone()?)
@@ -444,21 +516,71 @@ mod tests {
         ]
         .join("\n");
         let mut suites = suites_in(&messages, Path::new("/w")).expect("cargo's messages");
+        suites.push(soak(
+            PathBuf::from("/w/target/debug/xtask"),
+            2,
+            Some(7),
+            Path::new("/w/target/soak/SOAK.md"),
+        ));
         in_starting_order(&mut suites);
         let sources: Vec<&str> = suites.iter().map(|suite| suite.source.as_str()).collect();
+        // upgrade.rs waits for its old versions, and the soak keeps away
+        // from the long suites: both go last.
         assert_eq!(
             sources,
             [
-                "tests/tests/upgrade.rs",
                 "tests/tests/redirect.rs",
-                "tests/src/lib.rs"
+                "tests/src/lib.rs",
+                SOAK,
+                "tests/tests/upgrade.rs",
             ]
         );
+        let upgrade = &suites[3];
         assert_eq!(
-            suites[0].executable,
+            upgrade.executable,
             Path::new("/w/target/debug/deps/upgrade-3")
         );
-        assert_eq!(suites[0].package_dir, Path::new("/w/tests"));
+        assert_eq!(upgrade.package_dir, Path::new("/w/tests"));
+        assert_eq!(upgrade.own_args, None);
+        assert_eq!(
+            suites[2]
+                .own_args
+                .as_deref()
+                .expect("the soak's own arguments"),
+            [
+                "soak",
+                "--prebuilt",
+                "--minutes",
+                "2",
+                "--report",
+                "/w/target/soak/SOAK.md",
+                "--seed",
+                "7"
+            ]
+        );
+    }
+
+    #[test]
+    fn the_old_versions_are_built_only_for_a_run_of_every_upgrade_test() {
+        let args = |list: &[&str]| list.iter().map(ToString::to_string).collect::<Vec<_>>();
+        let suite = |source: &str| Suite {
+            source: source.to_string(),
+            executable: PathBuf::from("/x"),
+            package_dir: PathBuf::from("/w"),
+            own_args: None,
+        };
+        let both = [suite("tests/tests/redirect.rs"), suite(UPGRADE)];
+        let threads = args(&["--test-threads=1"]);
+        assert!(wants_old_versions(&both, &threads));
+        assert!(wants_old_versions(
+            &both,
+            &args(&["--skip", "vip", "--test-threads", "1", "--nocapture"])
+        ));
+        assert!(!wants_old_versions(&both[..1], &threads));
+        assert!(!wants_old_versions(
+            &both,
+            &args(&["vip", "--test-threads=1"])
+        ));
     }
 
     #[test]

@@ -17,6 +17,9 @@ pub const FIRST_LAYOUT_COMMIT: &str = "2ea9fbd";
 /// it too.
 pub const SOCKET_STORAGE_COMMIT: &str = "d9a0ca9";
 
+/// Every commit an upgrade test starts from.
+pub const OLD_COMMITS: [&str; 2] = [FIRST_LAYOUT_COMMIT, SOCKET_STORAGE_COMMIT];
+
 /// The `socklb` binary of [`FIRST_LAYOUT_COMMIT`]; see [`old_socklb_bin_at`].
 pub fn old_socklb_bin() -> PathBuf {
     old_socklb_bin_at(FIRST_LAYOUT_COMMIT)
@@ -40,6 +43,13 @@ pub fn old_socklb_bin_at(commit: &str) -> PathBuf {
         .and_then(Path::parent)
         .expect("target/<profile>/socklb")
         .to_path_buf();
+    old_socklb_bin_in(&target, commit)
+}
+
+/// The `socklb` binary of `commit` cached under `target` (the workspace's
+/// target/ directory), built there if it is not yet; see
+/// [`old_socklb_bin_at`]. `cargo xtask old-versions` builds them this way.
+pub fn old_socklb_bin_in(target: &Path, commit: &str) -> PathBuf {
     let base = target.join(format!("old-{commit}"));
     let binary = base.join("socklb");
     if binary.exists() {
@@ -182,6 +192,9 @@ fn build_socklb(source: &Path, build: &Path, object: Option<&Path>) -> PathBuf {
     for variable in ["CARGO", "CARGO_MANIFEST_DIR", "RUSTFLAGS", "RUSTC"] {
         command.env_remove(variable);
     }
+    // Built once and never rebuilt: incremental state would be work for
+    // nothing.
+    command.env("CARGO_INCREMENTAL", "0");
     if std::env::var_os("RUSTC_WRAPPER").is_none() {
         if has_sccache() {
             command.env("RUSTC_WRAPPER", "sccache");

@@ -1,7 +1,14 @@
-//! A command run in the background at the lowest CPU priority (nice 19),
-//! in the CPU that the suites, which mostly wait on timers, leave idle.
-//! `cargo xtask test` runs its fuzz pass this way, and with
+//! A command run in the background in the idle scheduling class
+//! (SCHED_IDLE), in the CPU that the builds and the suites, which mostly
+//! wait on timers, leave. `cargo xtask test` runs its fuzz pass and the
+//! build of upgrade.rs's old versions this way, and with
 //! `--release-in-background` the image's release build.
+//!
+//! Why the idle class and not only nice 19: a nice-19 task still takes a
+//! share, and in 4f91edd's CI run two of them (a fuzz pass and a build)
+//! beside the 2-minute soak left probes of servers with no fault
+//! unanswered within 500 ms. A woken task of the normal class preempts an
+//! idle-class one at once.
 
 use std::{
     os::unix::process::CommandExt,
@@ -37,8 +44,9 @@ impl Drop for Background {
 }
 
 impl Background {
-    /// Starts `command` at nice 19 in its own process group, with its
-    /// output in `log`. `what` names it in messages.
+    /// Starts `command` in the idle scheduling class (and at nice 19), in
+    /// its own process group, with its output in `log`. `what` names it
+    /// in messages. What it starts inherits the class.
     pub fn start(what: &str, mut command: Command, log: PathBuf) -> Result<Background> {
         let output =
             std::fs::File::create(&log).with_context(|| format!("creating {}", log.display()))?;
@@ -49,12 +57,15 @@ impl Background {
             // Its own process group, so that an early end stops the command
             // and its children together (Drop).
             .process_group(0);
-        // SAFETY: setpriority and prctl are async-signal-safe, and the
-        // closure touches nothing else between fork and exec. The death
-        // signal stops the command if xtask is killed before its Drop can.
+        // SAFETY: sched_setscheduler, setpriority and prctl are
+        // async-signal-safe, and the closure touches nothing else between
+        // fork and exec. The death signal stops the command if xtask is
+        // killed before its Drop can.
         unsafe {
             command.pre_exec(|| {
-                if libc::setpriority(libc::PRIO_PROCESS, 0, 19) != 0
+                let idle = libc::sched_param { sched_priority: 0 };
+                if libc::sched_setscheduler(0, libc::SCHED_IDLE, &raw const idle) != 0
+                    || libc::setpriority(libc::PRIO_PROCESS, 0, 19) != 0
                     || libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0
                 {
                     return Err(std::io::Error::last_os_error());
@@ -66,7 +77,7 @@ impl Background {
             .spawn()
             .with_context(|| format!("starting {what} in the background"))?;
         println!(
-            "xtask: {what}: started in the background (nice 19; {})",
+            "xtask: {what}: started in the background (idle class; {})",
             log.display()
         );
         Ok(Background {

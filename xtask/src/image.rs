@@ -330,8 +330,8 @@ fn release_binary() -> Result<PathBuf> {
     Ok(workspace_root().join("target/release/socklb"))
 }
 
-/// Starts the image's release build in the background, at the lowest CPU
-/// priority (nice 19) and one job: while `cargo xtask test` runs its
+/// Starts the image's release build in the background, in the idle
+/// scheduling class and one job: while `cargo xtask test` runs its
 /// suites, which mostly wait on timers, the build takes the CPU they leave,
 /// and `test-deploy` then finds the binary built (a clean-clone run:
 /// test-deploy 62 s instead of 394 s; the build itself took 20 minutes at

@@ -45,7 +45,7 @@ enum Verb {
     /// the Python Kubernetes client) and run every test (needs root).
     Test {
         /// Also build the release socklb that `test-deploy` ships, in the
-        /// background while the tests run (nice 19, one job), in the CPU the
+        /// background while the tests run (idle class, one job), in the CPU the
         /// suites leave idle. Not in CI, where test-deploy builds it.
         /// (Beside it, hardening.rs's crash test once saw socklb exit 1:
         /// a link that another BPF user freed during socklb's search for
@@ -108,12 +108,11 @@ enum Verb {
         /// Where the report goes.
         #[arg(long, default_value = "bench/results/SOAK.md")]
         report: PathBuf,
-        /// Use the binaries already built in target/debug, as `cargo xtask
-        /// test` does for its own soak: no packages installed, nothing
-        /// built, and the debug socklb unless SOCKLB_BIN names another.
-        #[arg(long)]
-        prebuilt: bool,
     },
+    /// Build the older socklb versions that tests/tests/upgrade.rs
+    /// upgrades from, once each: target/old-<commit>/socklb. `cargo xtask
+    /// test` runs it in the background.
+    OldVersions,
     /// Fuzz the config parser (TOML and flags) with cargo-fuzz, each target
     /// for a bounded time.
     Fuzz {
@@ -151,24 +150,21 @@ fn main() -> Result<()> {
         Verb::Bench { fleet: true, .. } => bench::fleet::run(&workspace_root()),
         Verb::Bench { .. } => bench::run(&workspace_root()),
         Verb::Fuzz { seconds } => fuzz::run(seconds),
+        Verb::OldVersions => old_versions(),
         Verb::Soak {
             minutes,
             seed,
             report,
-            prebuilt,
         } => {
-            if !prebuilt {
-                if is_root() {
-                    toolchain::install_debian_packages(TEST_PACKAGES)?;
-                }
-                build_all()?;
-                // The daemon as it ships, a release build: its memory is
-                // judged over the run, and a debug build's frames and
-                // allocations are not what a node runs. A SOCKLB_BIN
-                // already set is kept.
-                if std::env::var_os("SOCKLB_BIN").is_none() {
-                    bench::build_release(&workspace_root(), &[])?;
-                }
+            if is_root() {
+                toolchain::install_debian_packages(TEST_PACKAGES)?;
+            }
+            build_all()?;
+            // The daemon as it ships, a release build: its memory is judged
+            // over the run, and a debug build's frames and allocations are
+            // not what a node runs. A SOCKLB_BIN already set is kept.
+            if std::env::var_os("SOCKLB_BIN").is_none() {
+                bench::build_release(&workspace_root(), &[])?;
             }
             soak::run(&soak::Options {
                 minutes,
@@ -267,6 +263,14 @@ fn test(release_in_background: bool, jobs: usize, cargo_args: &[String]) -> Resu
     toolchain::install_debian_packages(TEST_PACKAGES)?;
     // The soak's seed is checked before anything is built.
     let soak_seed = soak_seed_in_test(std::env::var("SOCKLB_SOAK_SEED").ok().as_deref())?;
+    let (build_args, binary_args) = suites::split_args(cargo_args);
+    // What needs only the toolchains starts now, in the background: it
+    // takes the CPU that the builds, and then the suites, leave.
+    toolchain::ensure_ebpf_toolchain()?;
+    let mut old_versions = suites::may_run_upgrade(&build_args, &binary_args)
+        .then(start_old_versions)
+        .transpose()?;
+    let fuzz = start_fuzz()?;
     // The Python environment (packages from the network) while socklb
     // builds.
     let python = std::thread::scope(|scope| {
@@ -275,9 +279,12 @@ fn test(release_in_background: bool, jobs: usize, cargo_args: &[String]) -> Resu
         let python = python.join().expect("the Python environment's thread");
         built.and(python)
     })?;
-    let (build_args, binary_args) = suites::split_args(cargo_args);
     println!("xtask: building the tests");
-    let mut suites = suites::build(&build_args)?;
+    let suites = suites::build(&build_args)?;
+    if !suites::runs_upgrade(&suites) {
+        // The arguments left upgrade.rs out after all: its builds stop.
+        old_versions = None;
+    }
     if !suites::selects_targets(&build_args) {
         // Doc tests have no binary of their own to run; they are quick.
         run_checked(cargo().args(["test", "--workspace", "--exclude", "lb-ebpf", "--doc"]))?;
@@ -285,45 +292,8 @@ fn test(release_in_background: bool, jobs: usize, cargo_args: &[String]) -> Resu
     let release = release_in_background
         .then(image::start_release_build)
         .transpose()?;
-    // A short bounded fuzz pass, in the CPU the suites leave; `cargo xtask
-    // fuzz --seconds N` runs longer.
-    let fuzz = {
-        let mut command = Command::new(std::env::current_exe()?);
-        command.args(["fuzz", "--seconds", &FUZZ_SECONDS_IN_TEST.to_string()]);
-        background::Background::start(
-            "the fuzz pass",
-            command,
-            workspace_root().join("target/fuzz.log"),
-        )?
-    };
     sweep_leftovers();
     let target = workspace_root().join("target/debug");
-    // The old versions upgrade.rs upgrades from take minutes to build on a
-    // fresh machine: they build from the start, in the CPU the suites
-    // leave, and upgrade.rs starts last (it waits for them if it must).
-    let old_versions = suites::wants_old_versions(&suites, &binary_args)
-        .then(|| {
-            let mut command = Command::new(target.join("oldsocklb"));
-            command.env("SOCKLB_BIN", target.join("socklb"));
-            background::Background::start(
-                "building upgrade.rs's old versions",
-                command,
-                workspace_root().join("target/old-versions.log"),
-            )
-        })
-        .transpose()?;
-    // The invariants under overlapping faults, on every change, as a job
-    // of its own that starts once every other suite but upgrade.rs has
-    // (suites.rs: STARTS_LAST). One fixed schedule, so that a red run
-    // means the change broke a promise, not that a new draw found an old
-    // problem: new draws are `cargo xtask soak`'s job. SOCKLB_SOAK_SEED
-    // replays another seed, or draws a new one with "random".
-    suites.push(suites::soak(
-        std::env::current_exe()?,
-        SOAK_MINUTES_IN_TEST,
-        soak_seed,
-        &workspace_root().join("target/soak/SOAK.md"),
-    ));
     // The scenario suites append their figures here; printed at the end.
     let figures = workspace_root().join("target/scenario-figures.txt");
     let _ = std::fs::remove_file(&figures);
@@ -341,8 +311,60 @@ fn test(release_in_background: bool, jobs: usize, cargo_args: &[String]) -> Resu
         println!("xtask: scenario figures\n{text}");
     }
     old_versions.map_or(Ok(()), background::Background::finish)?;
+    // The soak runs alone: its bounds come from 500 ms probes, and beside
+    // other work (the fuzz pass, a build, a suite) servers that had no
+    // fault missed probes (4f91edd's CI run: 2 violations).
     fuzz.finish()?;
+    // The invariants under overlapping faults, on every change. One fixed
+    // schedule, so that a red run means the change broke a promise, not
+    // that a new draw found an old problem: new draws are `cargo xtask
+    // soak`'s job. SOCKLB_SOAK_SEED replays another seed, or draws a new
+    // one with "random".
+    soak::run(&soak::Options {
+        minutes: SOAK_MINUTES_IN_TEST,
+        seed: soak_seed,
+        report: workspace_root().join("target/soak/SOAK.md"),
+    })?;
     release.map_or(Ok(()), background::Background::finish)
+}
+
+/// Builds the old versions that upgrade.rs upgrades from, in the
+/// background: minutes of building on a fresh machine, which upgrade.rs,
+/// started last, waits for if it must.
+fn start_old_versions() -> Result<background::Background> {
+    let mut command = Command::new(std::env::current_exe()?);
+    command.arg("old-versions");
+    background::Background::start(
+        "building upgrade.rs's old versions",
+        command,
+        workspace_root().join("target/old-versions.log"),
+    )
+}
+
+/// A short bounded fuzz pass, in the background; `cargo xtask fuzz
+/// --seconds N` runs longer.
+fn start_fuzz() -> Result<background::Background> {
+    let mut command = Command::new(std::env::current_exe()?);
+    command.args(["fuzz", "--seconds", &FUZZ_SECONDS_IN_TEST.to_string()]);
+    background::Background::start(
+        "the fuzz pass",
+        command,
+        workspace_root().join("target/fuzz.log"),
+    )
+}
+
+/// `cargo xtask old-versions`: each older socklb that upgrade.rs upgrades
+/// from, built once into target/old-<commit>/socklb.
+fn old_versions() -> Result<()> {
+    toolchain::ensure_ebpf_toolchain()?;
+    let target = workspace_root().join("target");
+    for commit in socklb_tests::OLD_COMMITS {
+        println!(
+            "{}",
+            socklb_tests::old_socklb_bin_in(&target, commit).display()
+        );
+    }
+    Ok(())
 }
 
 /// `cargo test` arguments that run one test at a time, unless the caller

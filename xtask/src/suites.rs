@@ -36,43 +36,25 @@ pub struct Suite {
     pub executable: PathBuf,
     /// Where `cargo test` would run it: its package's directory.
     pub package_dir: PathBuf,
-    /// The arguments of a job that is not a test binary (the soak); a test
-    /// binary takes the run's own.
-    pub own_args: Option<Vec<String>>,
 }
-
-/// The soak's name among the suites.
-pub const SOAK: &str = "cargo xtask soak";
 
 /// The upgrade suite, which needs the old versions built.
 pub const UPGRADE: &str = "tests/tests/upgrade.rs";
 
-/// The soak of `cargo xtask test` as a job of the runner: `xtask soak
-/// --prebuilt`, with the binaries this run built.
-pub fn soak(xtask: PathBuf, minutes: u64, seed: Option<u64>, report: &Path) -> Suite {
-    let mut args = vec![
-        "soak".to_string(),
-        "--prebuilt".to_string(),
-        "--minutes".to_string(),
-        minutes.to_string(),
-        "--report".to_string(),
-        report.display().to_string(),
-    ];
-    if let Some(seed) = seed {
-        args.extend(["--seed".to_string(), seed.to_string()]);
-    }
-    Suite {
-        source: SOAK.to_string(),
-        executable: xtask,
-        package_dir: workspace_root(),
-        own_args: Some(args),
-    }
+/// Whether a run with these arguments may need the old versions that
+/// upgrade.rs upgrades from (known for sure once the suites are built:
+/// [`runs_upgrade`]): it builds every test or upgrade.rs's, and no test
+/// name narrows what each binary runs.
+pub fn may_run_upgrade(build_args: &[String], binary_args: &[String]) -> bool {
+    let selects_upgrade = build_args
+        .windows(2)
+        .any(|pair| pair[0] == "--test" && pair[1] == "upgrade");
+    (!selects_targets(build_args) || selects_upgrade) && !names_tests(binary_args)
 }
 
-/// Whether this run needs the old versions upgrade.rs upgrades from: it
-/// runs upgrade.rs, and no test name narrows what each binary runs.
-pub fn wants_old_versions(suites: &[Suite], binary_args: &[String]) -> bool {
-    suites.iter().any(|suite| suite.source == UPGRADE) && !names_tests(binary_args)
+/// Whether the built suites include upgrade.rs.
+pub fn runs_upgrade(suites: &[Suite]) -> bool {
+    suites.iter().any(|suite| suite.source == UPGRADE)
 }
 
 /// The test harness's options that take a value in the next argument.
@@ -121,15 +103,14 @@ const SECONDS_IN_CI: &[(&str, u32)] = &[
     ("tests/tests/deploy.rs", 2),
 ];
 
-/// The jobs that start after every other, in this order:
-/// - the soak, whose invariants hold under load but which should not run
-///   beside the longest suites (a herd of 1,000 agents);
-/// - upgrade.rs, whose two tests take 20 s once the old versions it
-///   upgrades from are built, and those take minutes on a fresh machine:
-///   they build in the background from the start (`oldsocklb`), and
-///   upgrade.rs waits for them if it must. Run first, as before, it held
-///   a lane for 432 s of building (e3433e8's clean-clone CI run).
-const STARTS_LAST: &[&str] = &[SOAK, UPGRADE];
+/// The suites that start after every other: upgrade.rs, whose two tests
+/// take 20 s once the old versions it upgrades from are built, and those
+/// take minutes on a fresh machine. They build in the background from the
+/// start of the run (`cargo xtask old-versions`, in the idle scheduling
+/// class), and upgrade.rs waits for them if it must. Run first, as before,
+/// it held a lane for 432 s, 413 of them building (e3433e8's clean-clone
+/// CI run).
+const STARTS_LAST: &[&str] = &[UPGRADE];
 
 /// `cargo test`'s options that take a value, so that the word after one
 /// is not taken for a test name.
@@ -247,7 +228,6 @@ fn suites_in(messages: &str, root: &Path) -> Result<Vec<Suite>> {
                 .parent()
                 .context("a manifest path has a directory")?
                 .to_path_buf(),
-            own_args: None,
         });
     }
     Ok(suites)
@@ -282,8 +262,7 @@ struct Outcome {
 }
 
 /// Runs `suites` in `jobs` lanes, longest first and [`STARTS_LAST`] last,
-/// each test binary with `binary_args`, and each suite with what
-/// `environment` sets. Each suite's output goes to target/test-logs and is
+/// each binary with `binary_args` and what `environment` sets. Each suite's output goes to target/test-logs and is
 /// printed whole when it ends, so that two suites never interleave. Every
 /// suite runs even when one fails; the run then fails naming them.
 pub fn run(
@@ -299,7 +278,7 @@ pub fn run(
     let count = suites.len();
     let jobs = jobs.clamp(1, count.max(1));
     println!(
-        "xtask: running {count} suites, {jobs} at a time (logs in {})",
+        "xtask: running {count} test binaries, {jobs} at a time (logs in {})",
         logs.display()
     );
     let waiting = Mutex::new(VecDeque::from(suites));
@@ -361,7 +340,7 @@ fn run_one(
     let status = std::fs::File::create(&log).and_then(|file| {
         let mut command = Command::new(&suite.executable);
         command
-            .args(suite.own_args.as_deref().unwrap_or(binary_args))
+            .args(binary_args)
             .current_dir(&suite.package_dir)
             .stdin(Stdio::null())
             .stdout(file.try_clone()?)
@@ -516,71 +495,39 @@ mod tests {
         ]
         .join("\n");
         let mut suites = suites_in(&messages, Path::new("/w")).expect("cargo's messages");
-        suites.push(soak(
-            PathBuf::from("/w/target/debug/xtask"),
-            2,
-            Some(7),
-            Path::new("/w/target/soak/SOAK.md"),
-        ));
         in_starting_order(&mut suites);
         let sources: Vec<&str> = suites.iter().map(|suite| suite.source.as_str()).collect();
-        // upgrade.rs waits for its old versions, and the soak keeps away
-        // from the long suites: both go last.
+        // upgrade.rs waits for its old versions: it goes last.
         assert_eq!(
             sources,
             [
                 "tests/tests/redirect.rs",
                 "tests/src/lib.rs",
-                SOAK,
                 "tests/tests/upgrade.rs",
             ]
         );
-        let upgrade = &suites[3];
+        let upgrade = &suites[2];
         assert_eq!(
             upgrade.executable,
             Path::new("/w/target/debug/deps/upgrade-3")
         );
         assert_eq!(upgrade.package_dir, Path::new("/w/tests"));
-        assert_eq!(upgrade.own_args, None);
-        assert_eq!(
-            suites[2]
-                .own_args
-                .as_deref()
-                .expect("the soak's own arguments"),
-            [
-                "soak",
-                "--prebuilt",
-                "--minutes",
-                "2",
-                "--report",
-                "/w/target/soak/SOAK.md",
-                "--seed",
-                "7"
-            ]
-        );
+        assert!(runs_upgrade(&suites));
+        assert!(!runs_upgrade(&suites[..2]));
     }
 
     #[test]
     fn the_old_versions_are_built_only_for_a_run_of_every_upgrade_test() {
         let args = |list: &[&str]| list.iter().map(ToString::to_string).collect::<Vec<_>>();
-        let suite = |source: &str| Suite {
-            source: source.to_string(),
-            executable: PathBuf::from("/x"),
-            package_dir: PathBuf::from("/w"),
-            own_args: None,
-        };
-        let both = [suite("tests/tests/redirect.rs"), suite(UPGRADE)];
         let threads = args(&["--test-threads=1"]);
-        assert!(wants_old_versions(&both, &threads));
-        assert!(wants_old_versions(
-            &both,
+        assert!(may_run_upgrade(&[], &threads));
+        assert!(may_run_upgrade(&args(&["--test", "upgrade"]), &threads));
+        assert!(may_run_upgrade(
+            &args(&["--no-fail-fast"]),
             &args(&["--skip", "vip", "--test-threads", "1", "--nocapture"])
         ));
-        assert!(!wants_old_versions(&both[..1], &threads));
-        assert!(!wants_old_versions(
-            &both,
-            &args(&["vip", "--test-threads=1"])
-        ));
+        assert!(!may_run_upgrade(&args(&["--test", "redirect"]), &threads));
+        assert!(!may_run_upgrade(&[], &args(&["vip", "--test-threads=1"])));
     }
 
     #[test]

@@ -20,8 +20,8 @@ pub mod sockdiag;
 pub use cli::join_cgroup;
 pub use memory_cgroup::MemoryCgroup;
 pub use old_socklb::{
-    FIRST_LAYOUT_COMMIT, OLD_COMMITS, SOCKET_STORAGE_COMMIT, old_socklb_bin, old_socklb_bin_at,
-    old_socklb_bin_in,
+    BuildTree, FIRST_LAYOUT_COMMIT, OLD_COMMITS, SOCKET_STORAGE_COMMIT, old_socklb_bin,
+    old_socklb_bin_at, old_socklb_bin_in,
 };
 
 use std::{

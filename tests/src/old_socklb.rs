@@ -25,38 +25,53 @@ pub fn old_socklb_bin() -> PathBuf {
     old_socklb_bin_at(FIRST_LAYOUT_COMMIT)
 }
 
+/// Where an old version's `socklb` is compiled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BuildTree {
+    /// target/old-build, a tree of the old versions' own, shared by every
+    /// old commit. The only choice inside `cargo test`, which holds the
+    /// workspace's build directory lock while its tests run: a build there
+    /// would wait for it forever.
+    Own,
+    /// The workspace's own target directory. The old version then reuses
+    /// every dependency this workspace built at the same version, with the
+    /// same features: the first layout's 178 packages are all at this
+    /// workspace's versions, and it compiles 23 of them instead of all.
+    /// Its `socklb` binary is renamed `socklb-old-<commit>`, so that it
+    /// never overwrites this workspace's. Never from inside `cargo test`
+    /// (see `Own`): `cargo xtask old-versions` builds this way.
+    Workspace,
+}
+
 /// The `socklb` binary of `commit`: target/old-<commit>/socklb,
 /// built the first time it is asked for and reused by every later run.
 /// Panics with the step that failed.
 ///
 /// The build takes what that commit needs and nothing more: its eBPF
 /// object (nightly, as its `cargo xtask build-ebpf` did, without building
-/// its xtask) and its `socklb` binary alone. Every old commit builds in
-/// one tree, target/old-build, so the second reuses the dependencies the
-/// first compiled (the 178 packages of the first layout's lock are all in
-/// the later one's, at the same versions). With sccache on PATH it shares
-/// the compile cache of this workspace's build too; without it, it leaves
-/// out debug info, which the test has no use for.
+/// its xtask) and its `socklb` binary alone, in [`BuildTree::Own`] (with
+/// sccache on PATH it shares the compile cache of this workspace's build;
+/// without it, it leaves out debug info, which the test has no use for).
 pub fn old_socklb_bin_at(commit: &str) -> PathBuf {
     let target = crate::socklb_bin()
         .parent()
         .and_then(Path::parent)
         .expect("target/<profile>/socklb")
         .to_path_buf();
-    old_socklb_bin_in(&target, commit)
+    old_socklb_bin_in(&target, commit, BuildTree::Own)
 }
 
 /// The `socklb` binary of `commit` cached under `target` (the workspace's
-/// target/ directory), built there if it is not yet; see
-/// [`old_socklb_bin_at`]. `cargo xtask old-versions` builds them this way.
-pub fn old_socklb_bin_in(target: &Path, commit: &str) -> PathBuf {
+/// target/ directory), built in `tree` if it is not there yet; see
+/// [`old_socklb_bin_at`].
+pub fn old_socklb_bin_in(target: &Path, commit: &str, tree: BuildTree) -> PathBuf {
     let base = target.join(format!("old-{commit}"));
     let binary = base.join("socklb");
     if binary.exists() {
         return binary;
     }
-    // One build at a time in the shared tree: each copies its binary out
-    // of target/old-build/debug before the next can overwrite it.
+    // One build at a time: each copies its binary out of the build tree
+    // before the next can overwrite it.
     let build = target.join("old-build");
     std::fs::create_dir_all(&build).expect("the old builds' directory");
     let lock = std::fs::File::create(build.join("build.lock")).expect("the old builds' lock");
@@ -81,7 +96,14 @@ pub fn old_socklb_bin_in(target: &Path, commit: &str) -> PathBuf {
     let takes_object = std::fs::read_to_string(source.join("lb-userspace/build.rs"))
         .is_ok_and(|text| text.contains("SOCKLB_EBPF_OBJECT"));
     let object = takes_object.then(|| build_ebpf_object(&source, &build));
-    let built = build_socklb(&source, &build, object.as_deref());
+    let built = match tree {
+        BuildTree::Own => build_socklb(&source, &build, object.as_deref(), "socklb"),
+        BuildTree::Workspace => {
+            let name = format!("socklb-old-{commit}");
+            rename_binary(&source, &name);
+            build_socklb(&source, target, object.as_deref(), &name)
+        }
+    };
     let partial = base.join("socklb.partial");
     std::fs::copy(&built, &partial).expect("copying the old socklb");
     std::fs::rename(&partial, &binary).expect("caching the old socklb");
@@ -92,6 +114,22 @@ pub fn old_socklb_bin_in(target: &Path, commit: &str) -> PathBuf {
         started.elapsed().as_secs()
     );
     binary
+}
+
+/// Renames the old tree's `socklb` binary target to `name` (its library,
+/// also named socklb, keeps its name: only a binary is copied to
+/// target/debug under its bare name).
+fn rename_binary(source: &Path, name: &str) {
+    let manifest = source.join("lb-userspace/Cargo.toml");
+    let text = std::fs::read_to_string(&manifest).expect("the old lb-userspace/Cargo.toml");
+    let target = "[[bin]]\nname = \"socklb\"\n";
+    assert!(
+        text.contains(target),
+        "{} has no [[bin]] named socklb to rename",
+        manifest.display()
+    );
+    let renamed = text.replacen(target, &format!("[[bin]]\nname = \"{name}\"\n"), 1);
+    std::fs::write(&manifest, renamed).expect("renaming the old socklb binary");
 }
 
 /// Runs a command to completion at nice 19; panics with its output if it
@@ -172,8 +210,12 @@ fn build_ebpf_object(source: &Path, build: &Path) -> PathBuf {
     object
 }
 
-/// The commit's `socklb` binary alone, embedding `object` if given.
-fn build_socklb(source: &Path, build: &Path, object: Option<&Path>) -> PathBuf {
+/// The commit's `socklb` binary alone (the target `name`), built in
+/// `build` and embedding `object` if given. In its own tree it leaves out
+/// debug info, which the test has no use for; in the workspace's it keeps
+/// the workspace's profile, or no dependency would be shared.
+fn build_socklb(source: &Path, build: &Path, object: Option<&Path>, name: &str) -> PathBuf {
+    let own_tree = name == "socklb";
     let mut command = Command::new("cargo");
     command
         .args([
@@ -182,7 +224,7 @@ fn build_socklb(source: &Path, build: &Path, object: Option<&Path>) -> PathBuf {
             "--package",
             "lb-userspace",
             "--bin",
-            "socklb",
+            name,
         ])
         .env("CARGO_TARGET_DIR", build)
         .current_dir(source);
@@ -195,7 +237,7 @@ fn build_socklb(source: &Path, build: &Path, object: Option<&Path>) -> PathBuf {
     // Built once and never rebuilt: incremental state would be work for
     // nothing.
     command.env("CARGO_INCREMENTAL", "0");
-    if std::env::var_os("RUSTC_WRAPPER").is_none() {
+    if own_tree && std::env::var_os("RUSTC_WRAPPER").is_none() {
         if has_sccache() {
             command.env("RUSTC_WRAPPER", "sccache");
         } else {
@@ -203,7 +245,7 @@ fn build_socklb(source: &Path, build: &Path, object: Option<&Path>) -> PathBuf {
         }
     }
     run("building the old socklb", &mut command);
-    build.join("debug/socklb")
+    build.join("debug").join(name)
 }
 
 fn has_sccache() -> bool {

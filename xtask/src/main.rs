@@ -264,12 +264,8 @@ fn test(release_in_background: bool, jobs: usize, cargo_args: &[String]) -> Resu
     // The soak's seed is checked before anything is built.
     let soak_seed = soak_seed_in_test(std::env::var("SOCKLB_SOAK_SEED").ok().as_deref())?;
     let (build_args, binary_args) = suites::split_args(cargo_args);
-    // What needs only the toolchains starts now, in the background: it
-    // takes the CPU that the builds, and then the suites, leave.
-    toolchain::ensure_ebpf_toolchain()?;
-    let mut old_versions = suites::may_run_upgrade(&build_args, &binary_args)
-        .then(start_old_versions)
-        .transpose()?;
+    // The fuzz pass starts now, in the background: it takes the CPU that
+    // the builds, and then the suites, leave.
     let fuzz = start_fuzz()?;
     // The Python environment (packages from the network) while socklb
     // builds.
@@ -281,14 +277,15 @@ fn test(release_in_background: bool, jobs: usize, cargo_args: &[String]) -> Resu
     })?;
     println!("xtask: building the tests");
     let suites = suites::build(&build_args)?;
-    if !suites::runs_upgrade(&suites) {
-        // The arguments left upgrade.rs out after all: its builds stop.
-        old_versions = None;
-    }
     if !suites::selects_targets(&build_args) {
         // Doc tests have no binary of their own to run; they are quick.
         run_checked(cargo().args(["test", "--workspace", "--exclude", "lb-ebpf", "--doc"]))?;
     }
+    // Now that the workspace's dependencies are built, and nothing else
+    // builds in its target directory, which the old versions share.
+    let old_versions = suites::wants_old_versions(&suites, &binary_args)
+        .then(start_old_versions)
+        .transpose()?;
     let release = release_in_background
         .then(image::start_release_build)
         .transpose()?;
@@ -330,7 +327,9 @@ fn test(release_in_background: bool, jobs: usize, cargo_args: &[String]) -> Resu
 
 /// Builds the old versions that upgrade.rs upgrades from, in the
 /// background: minutes of building on a fresh machine, which upgrade.rs,
-/// started last, waits for if it must.
+/// started last, waits for if it must. Nothing else may build in the
+/// workspace's debug directory meanwhile (cargo would wait for the
+/// build's lock).
 fn start_old_versions() -> Result<background::Background> {
     let mut command = Command::new(std::env::current_exe()?);
     command.arg("old-versions");
@@ -354,15 +353,15 @@ fn start_fuzz() -> Result<background::Background> {
 }
 
 /// `cargo xtask old-versions`: each older socklb that upgrade.rs upgrades
-/// from, built once into target/old-<commit>/socklb.
+/// from, built once into target/old-<commit>/socklb, in this workspace's
+/// target directory so that it reuses the dependencies built there.
 fn old_versions() -> Result<()> {
     toolchain::ensure_ebpf_toolchain()?;
     let target = workspace_root().join("target");
     for commit in socklb_tests::OLD_COMMITS {
-        println!(
-            "{}",
-            socklb_tests::old_socklb_bin_in(&target, commit).display()
-        );
+        let binary =
+            socklb_tests::old_socklb_bin_in(&target, commit, socklb_tests::BuildTree::Workspace);
+        println!("{}", binary.display());
     }
     Ok(())
 }

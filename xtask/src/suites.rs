@@ -41,20 +41,10 @@ pub struct Suite {
 /// The upgrade suite, which needs the old versions built.
 pub const UPGRADE: &str = "tests/tests/upgrade.rs";
 
-/// Whether a run with these arguments may need the old versions that
-/// upgrade.rs upgrades from (known for sure once the suites are built:
-/// [`runs_upgrade`]): it builds every test or upgrade.rs's, and no test
-/// name narrows what each binary runs.
-pub fn may_run_upgrade(build_args: &[String], binary_args: &[String]) -> bool {
-    let selects_upgrade = build_args
-        .windows(2)
-        .any(|pair| pair[0] == "--test" && pair[1] == "upgrade");
-    (!selects_targets(build_args) || selects_upgrade) && !names_tests(binary_args)
-}
-
-/// Whether the built suites include upgrade.rs.
-pub fn runs_upgrade(suites: &[Suite]) -> bool {
-    suites.iter().any(|suite| suite.source == UPGRADE)
+/// Whether this run needs the old versions upgrade.rs upgrades from: it
+/// runs upgrade.rs, and no test name narrows what each binary runs.
+pub fn wants_old_versions(suites: &[Suite], binary_args: &[String]) -> bool {
+    suites.iter().any(|suite| suite.source == UPGRADE) && !names_tests(binary_args)
 }
 
 /// The test harness's options that take a value in the next argument.
@@ -105,8 +95,8 @@ const SECONDS_IN_CI: &[(&str, u32)] = &[
 
 /// The suites that start after every other: upgrade.rs, whose two tests
 /// take 20 s once the old versions it upgrades from are built, and those
-/// take minutes on a fresh machine. They build in the background from the
-/// start of the run (`cargo xtask old-versions`, in the idle scheduling
+/// take minutes on a fresh machine. They build in the background while the
+/// other suites run (`cargo xtask old-versions`, in the idle scheduling
 /// class), and upgrade.rs waits for them if it must. Run first, as before,
 /// it held a lane for 432 s, 413 of them building (e3433e8's clean-clone
 /// CI run).
@@ -512,22 +502,28 @@ mod tests {
             Path::new("/w/target/debug/deps/upgrade-3")
         );
         assert_eq!(upgrade.package_dir, Path::new("/w/tests"));
-        assert!(runs_upgrade(&suites));
-        assert!(!runs_upgrade(&suites[..2]));
     }
 
     #[test]
     fn the_old_versions_are_built_only_for_a_run_of_every_upgrade_test() {
         let args = |list: &[&str]| list.iter().map(ToString::to_string).collect::<Vec<_>>();
+        let suite = |source: &str| Suite {
+            source: source.to_string(),
+            executable: PathBuf::from("/x"),
+            package_dir: PathBuf::from("/w"),
+        };
+        let both = [suite("tests/tests/redirect.rs"), suite(UPGRADE)];
         let threads = args(&["--test-threads=1"]);
-        assert!(may_run_upgrade(&[], &threads));
-        assert!(may_run_upgrade(&args(&["--test", "upgrade"]), &threads));
-        assert!(may_run_upgrade(
-            &args(&["--no-fail-fast"]),
+        assert!(wants_old_versions(&both, &threads));
+        assert!(wants_old_versions(
+            &both,
             &args(&["--skip", "vip", "--test-threads", "1", "--nocapture"])
         ));
-        assert!(!may_run_upgrade(&args(&["--test", "redirect"]), &threads));
-        assert!(!may_run_upgrade(&[], &args(&["vip", "--test-threads=1"])));
+        assert!(!wants_old_versions(&both[..1], &threads));
+        assert!(!wants_old_versions(
+            &both,
+            &args(&["vip", "--test-threads=1"])
+        ));
     }
 
     #[test]

@@ -37,10 +37,20 @@ pub enum BuildTree {
     /// every dependency this workspace built at the same version, with the
     /// same features: the first layout's 178 packages are all at this
     /// workspace's versions, and it compiles 23 of them instead of all.
-    /// Its `socklb` binary is renamed `socklb-old-<commit>`, so that it
-    /// never overwrites this workspace's. Never from inside `cargo test`
-    /// (see `Own`): `cargo xtask old-versions` builds this way.
+    /// The old tree's own packages get a version of their own and its
+    /// binary the name `socklb-old-<commit>`, so that no artifact of it
+    /// ever takes the name of one of this workspace's. Never from inside
+    /// `cargo test` (see `Own`): `cargo xtask old-versions` builds this way.
     Workspace,
+}
+
+impl BuildTree {
+    fn label(self) -> &'static str {
+        match self {
+            BuildTree::Own => "own",
+            BuildTree::Workspace => "workspace",
+        }
+    }
 }
 
 /// The `socklb` binary of `commit`: target/old-<commit>/socklb,
@@ -63,19 +73,24 @@ pub fn old_socklb_bin_at(commit: &str) -> PathBuf {
 
 /// The `socklb` binary of `commit` cached under `target` (the workspace's
 /// target/ directory), built in `tree` if it is not there yet; see
-/// [`old_socklb_bin_at`].
+/// [`old_socklb_bin_at`]. Each tree has a lock and a source directory of
+/// its own, so that a `cargo test` run beside `cargo xtask old-versions`
+/// never waits for a lock the other holds while it waits for cargo's; the
+/// binary goes into the cache with a rename, whole.
 pub fn old_socklb_bin_in(target: &Path, commit: &str, tree: BuildTree) -> PathBuf {
     let base = target.join(format!("old-{commit}"));
     let binary = base.join("socklb");
     if binary.exists() {
         return binary;
     }
-    // One build at a time: each copies its binary out of the build tree
-    // before the next can overwrite it.
+    // One build at a time in a tree: each copies its binary out before
+    // the next can overwrite it.
     let build = target.join("old-build");
     std::fs::create_dir_all(&build).expect("the old builds' directory");
-    let lock = std::fs::File::create(build.join("build.lock")).expect("the old builds' lock");
-    lock.lock().expect("locking the old builds' directory");
+    let label = tree.label();
+    let lock =
+        std::fs::File::create(build.join(format!("{label}.lock"))).expect("the old builds' lock");
+    lock.lock().expect("locking the old builds' tree");
     if binary.exists() {
         return binary;
     }
@@ -87,8 +102,8 @@ pub fn old_socklb_bin_in(target: &Path, commit: &str, tree: BuildTree) -> PathBu
         binary.display()
     );
     let started = Instant::now();
-    let _ = std::fs::remove_dir_all(&base);
-    let source = base.join("src");
+    let source = build.join(format!("src-{commit}-{label}"));
+    let _ = std::fs::remove_dir_all(&source);
     std::fs::create_dir_all(&source).expect("old source directory");
     extract(commit, &source);
     // A commit whose build.rs takes a prebuilt object (SOCKLB_EBPF_OBJECT)
@@ -97,14 +112,15 @@ pub fn old_socklb_bin_in(target: &Path, commit: &str, tree: BuildTree) -> PathBu
         .is_ok_and(|text| text.contains("SOCKLB_EBPF_OBJECT"));
     let object = takes_object.then(|| build_ebpf_object(&source, &build));
     let built = match tree {
-        BuildTree::Own => build_socklb(&source, &build, object.as_deref(), "socklb"),
+        BuildTree::Own => build_socklb(&source, &build, object.as_deref(), "socklb", true),
         BuildTree::Workspace => {
             let name = format!("socklb-old-{commit}");
-            rename_binary(&source, &name);
-            build_socklb(&source, target, object.as_deref(), &name)
+            keep_apart(&source, commit, &name);
+            build_socklb(&source, target, object.as_deref(), &name, false)
         }
     };
-    let partial = base.join("socklb.partial");
+    std::fs::create_dir_all(&base).expect("the old version's cache directory");
+    let partial = base.join(format!("socklb.partial-{label}"));
     std::fs::copy(&built, &partial).expect("copying the old socklb");
     std::fs::rename(&partial, &binary).expect("caching the old socklb");
     let _ = std::fs::remove_dir_all(&source);
@@ -116,33 +132,78 @@ pub fn old_socklb_bin_in(target: &Path, commit: &str, tree: BuildTree) -> PathBu
     binary
 }
 
-/// Renames the old tree's `socklb` binary target to `name` (its library,
-/// also named socklb, keeps its name: only a binary is copied to
-/// target/debug under its bare name).
-fn rename_binary(source: &Path, name: &str) {
-    let manifest = source.join("lb-userspace/Cargo.toml");
-    let text = std::fs::read_to_string(&manifest).expect("the old lb-userspace/Cargo.toml");
-    let target = "[[bin]]\nname = \"socklb\"\n";
-    assert!(
-        text.contains(target),
-        "{} has no [[bin]] named socklb to rename",
-        manifest.display()
+/// Keeps the old tree's artifacts apart from the workspace's in one
+/// target directory. Its own packages (lb-common, lb-userspace, lb-ebpf)
+/// have the workspace's names, version and paths from the root, so cargo
+/// would give them the same artifact names and one build would overwrite
+/// the other's: their version becomes `<version>-old-<commit>` (the old
+/// code reads it only for a metrics label). Its `socklb` binary, which
+/// cargo copies to target/debug under its bare name, becomes `name` (its
+/// library, also named socklb, is only ever a dependency, never copied).
+fn keep_apart(source: &Path, commit: &str, name: &str) {
+    replace_once(
+        &source.join("Cargo.toml"),
+        "[workspace.package]",
+        "version = \"0.1.0\"\n",
+        &format!("version = \"0.1.0-old-{commit}\"\n"),
     );
-    let renamed = text.replacen(target, &format!("[[bin]]\nname = \"{name}\"\n"), 1);
-    std::fs::write(&manifest, renamed).expect("renaming the old socklb binary");
+    replace_once(
+        &source.join("lb-userspace/Cargo.toml"),
+        "[[bin]]",
+        "[[bin]]\nname = \"socklb\"\n",
+        &format!("[[bin]]\nname = \"{name}\"\n"),
+    );
+}
+
+/// Replaces the first `from` after `section` in a manifest; panics if
+/// there is none.
+fn replace_once(manifest: &Path, section: &str, from: &str, to: &str) {
+    let text = std::fs::read_to_string(manifest)
+        .unwrap_or_else(|error| panic!("reading {}: {error}", manifest.display()));
+    let at = text
+        .find(section)
+        .and_then(|start| text[start..].find(from).map(|offset| start + offset))
+        .unwrap_or_else(|| panic!("{} has no {from:?} in {section}", manifest.display()));
+    let changed = format!("{}{to}{}", &text[..at], &text[at + from.len()..]);
+    std::fs::write(manifest, changed)
+        .unwrap_or_else(|error| panic!("writing {}: {error}", manifest.display()));
+}
+
+/// What `cargo run` (`cargo xtask`) sets for its own program. Some build
+/// scripts watch them (ring's), so a cargo started with them would rebuild
+/// what the workspace's plain `cargo` built, over it.
+fn without_cargo_run_variables(command: &mut Command) {
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        let set_by_cargo_run = name.starts_with("CARGO_PKG_")
+            || matches!(
+                name.as_ref(),
+                "CARGO"
+                    | "CARGO_MANIFEST_DIR"
+                    | "CARGO_MANIFEST_PATH"
+                    | "CARGO_CRATE_NAME"
+                    | "CARGO_BIN_NAME"
+                    | "CARGO_PRIMARY_PACKAGE"
+            );
+        if set_by_cargo_run {
+            command.env_remove(name.as_ref());
+        }
+    }
 }
 
 /// Runs a command to completion at nice 19; panics with its output if it
-/// fails. `cargo xtask test` runs other suites beside this one, and
-/// building the old versions takes both cores for minutes: it should take
-/// only the CPU that their timers leave.
+/// fails. A test run may run other suites beside the one that builds: the
+/// build should take only the CPU that their timers leave.
 fn run(what: &str, command: &mut Command) {
     use std::os::unix::process::CommandExt;
-    // SAFETY: setpriority is async-signal-safe, and the closure touches
-    // nothing else between fork and exec.
+    // SAFETY: setpriority and prctl are async-signal-safe, and the closure
+    // touches nothing else between fork and exec. The death signal stops
+    // the build if the process that started it dies (an interrupted run).
     unsafe {
         command.pre_exec(|| {
-            if libc::setpriority(libc::PRIO_PROCESS, 0, 19) != 0 {
+            if libc::setpriority(libc::PRIO_PROCESS, 0, 19) != 0
+                || libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0
+            {
                 return Err(std::io::Error::last_os_error());
             }
             Ok(())
@@ -184,6 +245,7 @@ fn build_ebpf_object(source: &Path, build: &Path) -> PathBuf {
         .arg(build.join("ebpf"))
         .current_dir(source.join("lb-ebpf"));
     // The outer cargo's variables are for this workspace's host build.
+    without_cargo_run_variables(&mut command);
     for variable in [
         "RUSTC",
         "RUSTC_WRAPPER",
@@ -211,11 +273,17 @@ fn build_ebpf_object(source: &Path, build: &Path) -> PathBuf {
 }
 
 /// The commit's `socklb` binary alone (the target `name`), built in
-/// `build` and embedding `object` if given. In its own tree it leaves out
-/// debug info, which the test has no use for; in the workspace's it keeps
-/// the workspace's profile, or no dependency would be shared.
-fn build_socklb(source: &Path, build: &Path, object: Option<&Path>, name: &str) -> PathBuf {
-    let own_tree = name == "socklb";
+/// `build` and embedding `object` if given. `own_tree`: in a tree of the
+/// old versions' own, which leaves out debug info, which the test has no
+/// use for; in the workspace's, the workspace's profile stays, or no
+/// dependency would be shared.
+fn build_socklb(
+    source: &Path,
+    build: &Path,
+    object: Option<&Path>,
+    name: &str,
+    own_tree: bool,
+) -> PathBuf {
     let mut command = Command::new("cargo");
     command
         .args([
@@ -231,11 +299,13 @@ fn build_socklb(source: &Path, build: &Path, object: Option<&Path>, name: &str) 
     if let Some(object) = object {
         command.env("SOCKLB_EBPF_OBJECT", object);
     }
-    for variable in ["CARGO", "CARGO_MANIFEST_DIR", "RUSTFLAGS", "RUSTC"] {
+    without_cargo_run_variables(&mut command);
+    for variable in ["RUSTFLAGS", "RUSTC"] {
         command.env_remove(variable);
     }
     // Built once and never rebuilt: incremental state would be work for
-    // nothing.
+    // nothing (crates.io dependencies are never built incrementally, so
+    // this keeps them shared).
     command.env("CARGO_INCREMENTAL", "0");
     if own_tree && std::env::var_os("RUSTC_WRAPPER").is_none() {
         if has_sccache() {

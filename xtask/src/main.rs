@@ -1,5 +1,5 @@
 //! Developer verbs: `cargo xtask build-ebpf | build | check | test |
-//! test-deploy | image | demo | bench | fuzz | soak`.
+//! test-deploy | image | demo | bench | fuzz | soak | old-versions`.
 //!
 //! Each verb finds or installs what it needs and says what it did.
 
@@ -265,7 +265,9 @@ fn test(release_in_background: bool, jobs: usize, cargo_args: &[String]) -> Resu
     let soak_seed = soak_seed_in_test(std::env::var("SOCKLB_SOAK_SEED").ok().as_deref())?;
     let (build_args, binary_args) = suites::split_args(cargo_args);
     // The fuzz pass starts now, in the background: it takes the CPU that
-    // the builds, and then the suites, leave.
+    // the builds, and then the suites, leave. The toolchains first, in the
+    // foreground: two rustup installs of nightly at once are not safe.
+    toolchain::ensure_ebpf_toolchain()?;
     let fuzz = start_fuzz()?;
     // The Python environment (packages from the network) while socklb
     // builds.
@@ -283,9 +285,18 @@ fn test(release_in_background: bool, jobs: usize, cargo_args: &[String]) -> Resu
     }
     // Now that the workspace's dependencies are built, and nothing else
     // builds in its target directory, which the old versions share.
-    let old_versions = suites::wants_old_versions(&suites, &binary_args)
-        .then(start_old_versions)
-        .transpose()?;
+    let old_versions = std::sync::Mutex::new(
+        suites::wants_old_versions(&suites, &binary_args)
+            .then(start_old_versions)
+            .transpose()?,
+    );
+    // upgrade.rs starts once they are built (and fails with their log if
+    // they could not be): built in a tree of its own, they would take it
+    // minutes more.
+    let old_versions_built = || {
+        let building = old_versions.lock().expect("old versions").take();
+        building.map_or(Ok(()), background::Background::finish)
+    };
     let release = release_in_background
         .then(image::start_release_build)
         .transpose()?;
@@ -294,7 +305,7 @@ fn test(release_in_background: bool, jobs: usize, cargo_args: &[String]) -> Resu
     // The scenario suites append their figures here; printed at the end.
     let figures = workspace_root().join("target/scenario-figures.txt");
     let _ = std::fs::remove_file(&figures);
-    suites::run(suites, &binary_args, jobs, &|command: &mut Command| {
+    let environment = |command: &mut Command| {
         command
             .env("SOCKLB_BIN", target.join("socklb"))
             .env("LBCLIENT_BIN", target.join("lbclient"))
@@ -303,14 +314,27 @@ fn test(release_in_background: bool, jobs: usize, cargo_args: &[String]) -> Resu
             // Every test runs for real: a missing privilege or prerequisite
             // fails it instead of skipping it.
             .env(socklb_tests::NO_SKIP_ENV, "1");
-    })?;
+    };
+    let ready = |suite: &suites::Suite| {
+        if suite.source == suites::UPGRADE {
+            old_versions_built()
+        } else {
+            Ok(())
+        }
+    };
+    let hooks = suites::Hooks {
+        environment: &environment,
+        ready: &ready,
+    };
+    suites::run(suites, &binary_args, jobs, &hooks)?;
     if let Ok(text) = std::fs::read_to_string(&figures) {
         println!("xtask: scenario figures\n{text}");
     }
-    old_versions.map_or(Ok(()), background::Background::finish)?;
+    old_versions_built()?;
     // The soak runs alone: its bounds come from 500 ms probes, and beside
     // other work (the fuzz pass, a build, a suite) servers that had no
-    // fault missed probes (4f91edd's CI run: 2 violations).
+    // fault missed probes (4f91edd's CI run: 2 violations). Only
+    // `--release-in-background`'s build, in the idle class, may still run.
     fuzz.finish()?;
     // The invariants under overlapping faults, on every change. One fixed
     // schedule, so that a red run means the change broke a promise, not

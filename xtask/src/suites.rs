@@ -97,7 +97,7 @@ const SECONDS_IN_CI: &[(&str, u32)] = &[
 /// take 20 s once the old versions it upgrades from are built, and those
 /// take minutes on a fresh machine. They build in the background while the
 /// other suites run (`cargo xtask old-versions`, in the idle scheduling
-/// class), and upgrade.rs waits for them if it must. Run first, as before,
+/// class), and upgrade.rs waits for them (`Hooks::ready`). Run first, as before,
 /// it held a lane for 432 s, 413 of them building (e3433e8's clean-clone
 /// CI run).
 const STARTS_LAST: &[&str] = &[UPGRADE];
@@ -251,15 +251,25 @@ struct Outcome {
     log: PathBuf,
 }
 
+/// What the runner asks of its caller for each suite.
+pub struct Hooks<'a> {
+    /// Sets a suite's environment.
+    pub environment: &'a (dyn Fn(&mut Command) + Sync),
+    /// Runs before a suite starts, and may wait; an error fails the suite
+    /// with it, unstarted (upgrade.rs waits here for its old versions).
+    pub ready: &'a (dyn Fn(&Suite) -> Result<()> + Sync),
+}
+
 /// Runs `suites` in `jobs` lanes, longest first and [`STARTS_LAST`] last,
-/// each binary with `binary_args` and what `environment` sets. Each suite's output goes to target/test-logs and is
+/// each binary with `binary_args`, once `hooks.ready` lets it, with the
+/// environment `hooks.environment` sets. Each suite's output goes to target/test-logs and is
 /// printed whole when it ends, so that two suites never interleave. Every
 /// suite runs even when one fails; the run then fails naming them.
 pub fn run(
     mut suites: Vec<Suite>,
     binary_args: &[String],
     jobs: usize,
-    environment: &(dyn Fn(&mut Command) + Sync),
+    hooks: &Hooks<'_>,
 ) -> Result<()> {
     let logs = workspace_root().join("target/test-logs");
     let _ = std::fs::remove_dir_all(&logs);
@@ -286,7 +296,7 @@ pub fn run(
                             .lock()
                             .expect("running")
                             .push((suite.source.clone(), Instant::now()));
-                        let outcome = run_one(&suite, binary_args, &logs, environment);
+                        let outcome = run_one(&suite, binary_args, &logs, hooks);
                         running
                             .lock()
                             .expect("running")
@@ -318,13 +328,22 @@ pub fn run(
 }
 
 /// Runs one suite to its end and prints its log.
-fn run_one(
-    suite: &Suite,
-    binary_args: &[String],
-    logs: &Path,
-    environment: &(dyn Fn(&mut Command) + Sync),
-) -> Outcome {
+fn run_one(suite: &Suite, binary_args: &[String], logs: &Path, hooks: &Hooks<'_>) -> Outcome {
     let log = logs.join(format!("{}.log", suite.source.replace('/', "_")));
+    let started = Instant::now();
+    if let Err(error) = (hooks.ready)(suite) {
+        println!(
+            "xtask: {}: FAILED before its start: {error:#}",
+            suite.source
+        );
+        let _ = std::fs::write(&log, format!("not started: {error:#}\n"));
+        return Outcome {
+            source: suite.source.clone(),
+            passed: false,
+            took: started.elapsed(),
+            log,
+        };
+    }
     println!("xtask: {}: started", suite.source);
     let started = Instant::now();
     let status = std::fs::File::create(&log).and_then(|file| {
@@ -335,7 +354,7 @@ fn run_one(
             .stdin(Stdio::null())
             .stdout(file.try_clone()?)
             .stderr(file);
-        environment(&mut command);
+        (hooks.environment)(&mut command);
         command.status()
     });
     let took = started.elapsed();

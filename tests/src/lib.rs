@@ -21,7 +21,7 @@ pub use cli::join_cgroup;
 pub use memory_cgroup::MemoryCgroup;
 pub use old_socklb::{
     BuildTree, FIRST_LAYOUT_COMMIT, OLD_COMMITS, SOCKET_STORAGE_COMMIT, old_socklb_bin,
-    old_socklb_bin_at, old_socklb_bin_in,
+    old_socklb_bin_at, old_socklb_bin_in, without_cargo_run_variables,
 };
 
 use std::{

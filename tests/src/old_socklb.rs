@@ -169,10 +169,11 @@ fn replace_once(manifest: &Path, section: &str, from: &str, to: &str) {
         .unwrap_or_else(|error| panic!("writing {}: {error}", manifest.display()));
 }
 
-/// What `cargo run` (`cargo xtask`) sets for its own program. Some build
-/// scripts watch them (ring's), so a cargo started with them would rebuild
-/// what the workspace's plain `cargo` built, over it.
-fn without_cargo_run_variables(command: &mut Command) {
+/// Removes from `command`'s environment what `cargo run` (`cargo xtask`)
+/// sets for its own program. Some build scripts watch those variables
+/// (ring's), so a cargo started with them would rebuild what a plain
+/// `cargo` built, over it, and the other way round.
+pub fn without_cargo_run_variables(command: &mut Command) {
     for (name, _) in std::env::vars_os() {
         let name = name.to_string_lossy();
         let set_by_cargo_run = name.starts_with("CARGO_PKG_")

@@ -208,21 +208,7 @@ pub fn last_lines(text: &str, count: usize) -> String {
 pub fn cargo() -> Command {
     let mut command = Command::new(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
     command.current_dir(workspace_root());
-    for (name, _) in std::env::vars_os() {
-        let name = name.to_string_lossy();
-        let set_by_cargo_run = name.starts_with("CARGO_PKG_")
-            || matches!(
-                name.as_ref(),
-                "CARGO_MANIFEST_DIR"
-                    | "CARGO_MANIFEST_PATH"
-                    | "CARGO_CRATE_NAME"
-                    | "CARGO_BIN_NAME"
-                    | "CARGO_PRIMARY_PACKAGE"
-            );
-        if set_by_cargo_run {
-            command.env_remove(name.as_ref());
-        }
-    }
+    socklb_tests::without_cargo_run_variables(&mut command);
     command
 }
 

@@ -55,6 +55,7 @@ const HARNESS_OPTIONS_WITH_A_VALUE: &[&str] = &[
     "--color",
     "-Z",
     "--test-threads",
+    "--shuffle-seed",
 ];
 
 /// Whether the binaries' arguments name tests (`cargo test vip`), so that
@@ -97,9 +98,9 @@ const SECONDS_IN_CI: &[(&str, u32)] = &[
 /// take 20 s once the old versions it upgrades from are built, and those
 /// take minutes on a fresh machine. They build in the background while the
 /// other suites run (`cargo xtask old-versions`, in the idle scheduling
-/// class), and upgrade.rs waits for them (`Hooks::ready`). Run first, as before,
-/// it held a lane for 432 s, 413 of them building (e3433e8's clean-clone
-/// CI run).
+/// class), and upgrade.rs waits for them (`Hooks::ready`). Run first, as
+/// before, it held a lane for 432 s, 413 of them building (e3433e8's
+/// clean-clone CI run).
 const STARTS_LAST: &[&str] = &[UPGRADE];
 
 /// `cargo test`'s options that take a value, so that the word after one
@@ -262,9 +263,10 @@ pub struct Hooks<'a> {
 
 /// Runs `suites` in `jobs` lanes, longest first and [`STARTS_LAST`] last,
 /// each binary with `binary_args`, once `hooks.ready` lets it, with the
-/// environment `hooks.environment` sets. Each suite's output goes to target/test-logs and is
-/// printed whole when it ends, so that two suites never interleave. Every
-/// suite runs even when one fails; the run then fails naming them.
+/// environment `hooks.environment` sets. Each suite's output goes to
+/// target/test-logs and is printed whole when it ends, so that two suites
+/// never interleave. Every suite runs even when one fails; the run then
+/// fails naming them.
 pub fn run(
     mut suites: Vec<Suite>,
     binary_args: &[String],
@@ -543,6 +545,7 @@ mod tests {
             &both,
             &args(&["vip", "--test-threads=1"])
         ));
+        assert!(wants_old_versions(&both, &args(&["--shuffle-seed", "7"])));
     }
 
     #[test]

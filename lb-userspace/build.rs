@@ -15,9 +15,17 @@ use anyhow::{Context, anyhow};
 
 fn main() -> anyhow::Result<()> {
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").context("cargo sets OUT_DIR")?);
+    // Two objects of the same programs: the array layout of the socket
+    // table (`lb-ebpf`, Linux 5.12 and later) and the hash layout
+    // (`lb-ebpf-hash`, for older kernels).
     let object = out_dir.join("lb-ebpf");
+    let hash_object = out_dir.join("lb-ebpf-hash");
+    let placeholders = || -> anyhow::Result<()> {
+        fs::write(&object, []).context("writing the placeholder")?;
+        fs::write(&hash_object, []).context("writing the placeholder")
+    };
     if env::var_os("CARGO_FEATURE_EBPF").is_none() {
-        return fs::write(&object, []).context("writing the placeholder");
+        return placeholders();
     }
     let skip = env::var_os("AYA_BUILD_SKIP")
         .is_some_and(|value| value == "1" || value.eq_ignore_ascii_case("true"));
@@ -26,7 +34,7 @@ fn main() -> anyhow::Result<()> {
         println!(
             "cargo:warning=AYA_BUILD_SKIP is set: embedding an empty placeholder for the eBPF object; this socklb cannot install"
         );
-        return fs::write(&object, []).context("writing the placeholder");
+        return placeholders();
     }
     let manifest_dir = PathBuf::from(env::var_os("CARGO_MANIFEST_DIR").context("cargo sets it")?);
     let ebpf_dir = manifest_dir.join("../lb-ebpf");
@@ -43,13 +51,22 @@ fn main() -> anyhow::Result<()> {
     // SAFETY: this build script is single-threaded until aya-build spawns
     // the inner cargo, which inherits the variable.
     unsafe { env::set_var("CARGO_TERM_QUIET", "true") };
-    aya_build::build_ebpf(
-        [aya_build::Package {
-            name: "lb-ebpf",
-            root_dir,
-            ..Default::default()
-        }],
-        aya_build::Toolchain::default(),
-    )
-    .context("building the eBPF object (run `cargo xtask build-ebpf` to install nightly, rust-src and bpf-linker; AYA_BUILD_SKIP=1 skips it)")
+    // aya-build copies the package's binary to OUT_DIR/lb-ebpf: the hash
+    // layout first, renamed, then the array layout.
+    for (features, built_as) in [(&[][..], &hash_object), (&["slots"][..], &object)] {
+        aya_build::build_ebpf(
+            [aya_build::Package {
+                name: "lb-ebpf",
+                root_dir,
+                features,
+                ..Default::default()
+            }],
+            aya_build::Toolchain::default(),
+        )
+        .context("building the eBPF object (run `cargo xtask build-ebpf` to install nightly, rust-src and bpf-linker; AYA_BUILD_SKIP=1 skips it)")?;
+        if built_as != &object {
+            fs::rename(&object, built_as).context("naming the hash layout's object")?;
+        }
+    }
+    Ok(())
 }

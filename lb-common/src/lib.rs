@@ -47,6 +47,16 @@ pub const MAX_LEGACY_REDIRECTS: u32 = 65536;
 /// Sockets the socket table holds unless `socket-table-size` says
 /// otherwise (the loader sets the real size).
 pub const DEFAULT_SOCKET_TABLE_SIZE: u32 = 65536;
+/// How many slots of `SOCKET_SLOTS` a socket may take: `cookie & mask` and
+/// the next ones. A socket whose slots are all taken goes to the hash.
+pub const SOCKET_SLOT_PROBES: u64 = 4;
+/// Slots of `SOCKET_SLOTS` for a `socket-table-size`: as many, rounded up
+/// to a power of two. The hash beside it holds `socket-table-size`
+/// records too, so that many sockets are always tracked, wherever their
+/// cookies fall.
+pub const fn socket_slots_for(size: u32) -> u32 {
+    size.next_power_of_two()
+}
 /// The smallest and largest `socket-table-size` accepted.
 pub const MIN_SOCKET_TABLE_SIZE: u32 = 1024;
 pub const MAX_SOCKET_TABLE_SIZE: u32 = 1 << 22;

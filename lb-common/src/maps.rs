@@ -200,8 +200,9 @@ layout!(SOCKET_RECORD, SocketRecord, size 48, {
     vip @ 0, backend @ 20, backend_id @ 40, flags @ 44,
 });
 
-/// Value of `SOCKET_TABLE`, a preallocated hash keyed by socket cookie:
-/// one entry per socket socklb redirected and follows, from its connect
+/// Value of `SOCKET_TABLE`, a preallocated hash keyed by socket cookie, and
+/// the record of a `SocketSlot` of `SOCKET_SLOTS`: one per socket socklb
+/// redirected and follows, from its connect
 /// until it closes (sock_ops at the change to TCP_CLOSE, or cgroup
 /// sock_release for a socket that never got that far). Its memory is
 /// fixed when the map is created; a connect that finds the table full is
@@ -215,6 +216,21 @@ pub struct TrackedSocket {
     pub netns_cookie: u64,
 }
 layout!(TRACKED_SOCKET, TrackedSocket, size 56, { record @ 0, netns_cookie @ 48 });
+
+/// An element of `SOCKET_SLOTS`, the socket table as an array (Linux
+/// 5.12 and later): the owner's cookie, 0 while the slot is free, and its
+/// record. A socket may take slot `cookie & mask` or one of the next
+/// [`crate::SOCKET_SLOT_PROBES`]` - 1`; connect4/6 claim a free one with an
+/// atomic compare-and-exchange of `cookie`, and whoever ends the record
+/// (sock_ops, sock_release, the daemon's sweep) frees it with another, so
+/// exactly one of them counts the end. 64 bytes: one cache line.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SocketSlot {
+    pub cookie: u64,
+    pub tracked: TrackedSocket,
+}
+layout!(SOCKET_SLOT, SocketSlot, size 64, { cookie @ 0, tracked @ 8 });
 
 /// The single value of `SOCKET_TABLE_STATS` (per CPU).
 #[repr(C)]
@@ -440,7 +456,8 @@ impl Default for DaemonRecord {
 }
 
 /// Every shared type's layout, for the ABI test.
-pub const LAYOUTS: [Layout; 16] = [
+pub const LAYOUTS: [Layout; 17] = [
+    SOCKET_SLOT,
     TRACKED_SOCKET,
     SOCKET_TABLE_STATS,
     LIVENESS,
@@ -461,10 +478,11 @@ pub const LAYOUTS: [Layout; 16] = [
 
 /// (map name, key size, value size) of every map with a fixed layout, for
 /// the ABI test: the embedded object must define each exactly so.
-pub const MAP_SIZES: [(&str, usize, usize); 19] = [
+pub const MAP_SIZES: [(&str, usize, usize); 20] = [
     (crate::names::VIP_PORTS, 4, 8),
     (crate::names::SERVICES, 20, 24),
     (crate::names::SLOTS, 4, 24),
+    (crate::names::SOCKET_SLOTS, 4, 64),
     (crate::names::SOCKET_TABLE, 8, 56),
     (crate::names::SOCKET_TABLE_STATS, 4, 8),
     (crate::names::LIVENESS, 4, 520),

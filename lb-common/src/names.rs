@@ -15,8 +15,17 @@ pub const VIP_PORTS: &str = "lb_vports_v1";
 /// Selection tables, two banks per table.
 pub const SLOTS: &str = "lb_slots_v1";
 /// Per-socket records of the sockets socklb follows, by socket cookie (a
-/// preallocated hash; its size is `socket-table-size`).
+/// preallocated hash; its size is `socket-table-size`). The whole socket
+/// table on kernels before 5.12 (the hash layout); on later ones (the
+/// array layout) it holds the sockets that found their slots of
+/// `SOCKET_SLOTS` taken, and those an install of the hash layout filed
+/// before an upgrade.
 pub const SOCKET_TABLE: &str = "lb_socktab_v1";
+/// The array layout's socket table (Linux 5.12 and later, for
+/// BPF_CMPXCHG): slots claimed by socket cookie (`SocketSlot`),
+/// `socket-table-size` rounded up to a power of two. Pinned beside
+/// `SOCKET_TABLE`, not in `MAPS`: a kernel before 5.12 has none.
+pub const SOCKET_SLOTS: &str = "lb_socktab_v2";
 /// Connects redirected without a record, the table being full (per CPU).
 pub const SOCKET_TABLE_STATS: &str = "lb_sockstat_v1";
 /// The daemon's heartbeat as the connect programs read it, and how long
@@ -64,7 +73,8 @@ pub const AYA_LOGS: &str = "AYA_LOGS";
 /// getpeername and sock_ops fall back to it for a socket without storage.
 pub const LEGACY_REDIRECTS: &str = "REDIRECTS";
 
-/// Every map socklb pins, in the order a fresh install creates them.
+/// Every map socklb pins, in the order a fresh install creates them, but
+/// the array layout's `SOCKET_SLOTS`.
 pub const MAPS: [&str; 20] = [
     SERVICES,
     VIP_PORTS,
@@ -120,6 +130,9 @@ pub const UNATTACHED: [&str; 2] = [SKMSG, UNCOUNT];
 pub mod globals {
     /// `u32`, `FEATURE_*` bits: what the kernel offers (see `features`).
     pub const FEATURES: &str = "SOCKLB_FEATURES";
+    /// `u32`, the array layout's slot count less one (a power of two less
+    /// one): a socket's first slot is `cookie & mask`.
+    pub const SLOT_MASK: &str = "SOCKLB_SLOT_MASK";
 }
 
 /// The names of the first layout (socklb up to the commit that versioned

@@ -32,8 +32,8 @@ use lb_common::{
 use crate::{
     IPPROTO_TCP, V4_MAPPED_WORD_BE, has,
     maps::{
-        BACKEND_CONNS, BACKEND_STATS, LIVENESS, SERVICES, SETTINGS, SLOTS, SOCKET_TABLE,
-        SOCKET_TABLE_STATS, TABLE_STATS, VIP_PORTS,
+        BACKEND_CONNS, BACKEND_STATS, LIVENESS, SERVICES, SETTINGS, SLOTS, SOCKET_TABLE_STATS,
+        TABLE_STATS, VIP_PORTS,
     },
     records,
 };
@@ -42,7 +42,6 @@ const PROCEED: i32 = 1;
 const REFUSE: i32 = 0;
 const SOCK_STREAM: u32 = 1;
 const ECONNREFUSED: i32 = 111;
-const BPF_ANY: u64 = 0;
 const SOL_TCP: i32 = 6;
 /// `bpf_setsockopt`/`bpf_getsockopt` option of a socket's sock_ops
 /// callback flags (uapi/linux/bpf.h, Linux 6.12).
@@ -325,9 +324,7 @@ fn track(ctx: &SockAddrContext, vip: &Endpoint, choice: &Choice) {
         netns_cookie: choice.netns_cookie,
     };
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    // BPF_ANY: a socket that connects again after a failed attempt gets
-    // its record replaced.
-    if SOCKET_TABLE.insert(cookie, tracked, BPF_ANY).is_err() {
+    if !records::file(cookie, &tracked) {
         count_untracked();
         return;
     }

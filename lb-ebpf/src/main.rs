@@ -4,9 +4,13 @@
 //! connections of each backend and reports connects that the server side
 //! failed (a reset, or an unanswered SYN), never one the client abandoned.
 //!
-//! Each redirected socket has a record in the socket table, a preallocated
-//! hash keyed by socket cookie: nothing is allocated on connect, and no
-//! local user can grow the memory behind it. connect4/6 file the record and
+//! Each redirected socket has a record in the socket table: on Linux 5.12
+//! and later an array of slots claimed by socket cookie with a
+//! compare-and-exchange (`lb_socktab_v2`), with a preallocated hash keyed
+//! by cookie (`lb_socktab_v1`) for the sockets whose few slots are taken;
+//! on older kernels the hash alone (this crate built without the `slots`
+//! feature; the loader picks the object). Nothing is allocated on connect,
+//! and no local user can grow the memory behind it. connect4/6 file the record and
 //! ask for the socket's sock_ops callbacks; sock_ops takes the record away
 //! when the socket reaches TCP_CLOSE, and cgroup/sock_release takes it
 //! away for a socket that never got that far (a connect that failed before
@@ -30,7 +34,8 @@
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
 // The bpf target has no atomic types with read-modify-write methods; the
-// intrinsic lowers to BPF's atomic add. It is used in one place (`add_i64`).
+// intrinsics lower to BPF's atomic add (`add_i64`) and, in the array
+// layout, its compare-and-exchange (`records::slots::swap_owner`).
 #![cfg_attr(target_arch = "bpf", feature(core_intrinsics))]
 #![cfg_attr(target_arch = "bpf", allow(internal_features))]
 
@@ -51,6 +56,19 @@ use lb_common::features;
 /// off, helper calls included.
 #[unsafe(no_mangle)]
 static SOCKLB_FEATURES: u32 = features::ALL;
+
+/// The array layout's slot count less one, set by the loader (the name is
+/// `lb_common::names::globals::SLOT_MASK`).
+#[cfg(feature = "slots")]
+#[unsafe(no_mangle)]
+static SOCKLB_SLOT_MASK: u32 =
+    lb_common::socket_slots_for(lb_common::DEFAULT_SOCKET_TABLE_SIZE) - 1;
+
+#[cfg(feature = "slots")]
+#[inline(always)]
+fn slot_mask() -> u32 {
+    unsafe { core::ptr::read_volatile(&raw const SOCKLB_SLOT_MASK) }
+}
 
 #[inline(always)]
 fn has(feature: u32) -> bool {

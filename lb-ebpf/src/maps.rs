@@ -46,6 +46,27 @@ pub static SLOTS: Array<BackendSlot, { MAX_SLOTS as usize }> = Array::new();
 pub static SOCKET_TABLE: HashMap<u64, TrackedSocket, { DEFAULT_SOCKET_TABLE_SIZE as usize }> =
     HashMap::new();
 
+/// The socket table of the array layout (`SocketSlot`: the owner's cookie
+/// and its record), Linux 5.12 and later: a connect claims a slot with a
+/// compare-and-exchange of its cookie and allocates nothing; lookups are
+/// inlined array reads, with no helper call and no bucket lock. The loader
+/// sizes it (twice `socket-table-size`, a power of two) and sets
+/// `SOCKLB_SLOT_MASK`. Mapped by the daemon (`BPF_F_MMAPABLE`), whose
+/// sweep frees slots with the same compare-and-exchange. With this layout
+/// `SOCKET_TABLE` is only read, for the sockets an install of the hash
+/// layout filed there before an upgrade.
+#[cfg(feature = "slots")]
+#[btf_map(name = "lb_socktab_v2")]
+pub static SOCKET_SLOTS: Array<
+    lb_common::SocketSlot,
+    { lb_common::socket_slots_for(DEFAULT_SOCKET_TABLE_SIZE) as usize },
+    BPF_F_MMAPABLE,
+> = Array::new();
+
+/// `BPF_F_MMAPABLE` (uapi/linux/bpf.h): the daemon maps the array.
+#[cfg(feature = "slots")]
+const BPF_F_MMAPABLE: usize = 1 << 10;
+
 /// Connects redirected without a record. Written by connect4/6, read by
 /// status.
 #[btf_map(name = "lb_sockstat_v1")]

@@ -60,18 +60,136 @@ impl Found {
     }
 }
 
-/// The socket table's record of a socket.
+/// The socket table's record of a socket: in the array layout its slot,
+/// or else the hash's record (a socket that found its slots taken, or one
+/// an install of the hash layout filed before an upgrade).
 #[inline(always)]
 pub fn tracked(cookie: u64) -> Option<*mut TrackedSocket> {
+    #[cfg(feature = "slots")]
+    if let Some(slot) = slots::owned(cookie) {
+        return Some(unsafe { &raw mut (*slot).tracked });
+    }
     SOCKET_TABLE.get_ptr_mut(cookie)
 }
 
 /// Takes a socket's record out of the table. True for the one caller that
-/// removed it: sock_ops and sock_release may both try, and only the one
-/// that removed the record may take its connection off the live count.
+/// removed it: sock_ops, sock_release and the daemon's sweep may all try,
+/// and only the one that removed the record may take its connection off
+/// the live count.
 #[inline(always)]
 pub fn forget(cookie: u64) -> bool {
+    #[cfg(feature = "slots")]
+    if let Some(slot) = slots::owned(cookie) {
+        return slots::swap_owner(slot, cookie, 0);
+    }
     SOCKET_TABLE.remove(cookie).is_ok()
+}
+
+/// Files a socket's record; a socket that connects again after a failed
+/// attempt gets its record replaced. In the array layout a socket whose
+/// slots are all taken goes to the hash. False when the table has no room
+/// for it: the hash is full (and, in the array layout, the socket's slots
+/// are taken).
+#[inline(always)]
+pub fn file(cookie: u64, tracked: &TrackedSocket) -> bool {
+    #[cfg(feature = "slots")]
+    if slots::file(cookie, tracked) {
+        return true;
+    }
+    // BPF_ANY: replaces the record of a socket connecting again.
+    const BPF_ANY: u64 = 0;
+    SOCKET_TABLE.insert(cookie, *tracked, BPF_ANY).is_ok()
+}
+
+/// The array layout: a socket's slots are `cookie & mask` and the next
+/// `SOCKET_SLOT_PROBES - 1`; the first whose cookie is 0 is claimed by an
+/// atomic compare-and-exchange. Cookies are handed out in order, so the
+/// sockets a CPU opens one after another take neighbouring slots, and a
+/// socket finds its slots taken only when the cookies have gone once
+/// round the array and met sockets still open (a run of long-lived ones):
+/// it then takes the hash's slower path.
+#[cfg(feature = "slots")]
+mod slots {
+    use lb_common::{SOCKET_SLOT_PROBES, SocketSlot, TrackedSocket};
+
+    use crate::{maps::SOCKET_SLOTS, slot_mask};
+
+    #[inline(always)]
+    fn slot(cookie: u64, probe: u64) -> Option<*mut SocketSlot> {
+        let index = (cookie.wrapping_add(probe) & u64::from(slot_mask())) as u32;
+        SOCKET_SLOTS.get_ptr_mut(index)
+    }
+
+    #[inline(always)]
+    fn owner(slot: *mut SocketSlot) -> u64 {
+        unsafe { core::ptr::read_volatile(&raw const (*slot).cookie) }
+    }
+
+    /// Compare-and-exchange of a slot's owner (BPF_CMPXCHG, Linux 5.12).
+    #[inline(always)]
+    pub fn swap_owner(slot: *mut SocketSlot, from: u64, to: u64) -> bool {
+        #[cfg(target_arch = "bpf")]
+        unsafe {
+            core::intrinsics::atomic_cxchg::<
+                u64,
+                { core::intrinsics::AtomicOrdering::SeqCst },
+                { core::intrinsics::AtomicOrdering::SeqCst },
+            >(&raw mut (*slot).cookie, from, to)
+            .1
+        }
+        #[cfg(not(target_arch = "bpf"))]
+        unsafe {
+            let matches = (*slot).cookie == from;
+            if matches {
+                (*slot).cookie = to;
+            }
+            matches
+        }
+    }
+
+    /// The slot a socket owns.
+    #[inline(always)]
+    pub fn owned(cookie: u64) -> Option<*mut SocketSlot> {
+        for probe in 0..SOCKET_SLOT_PROBES {
+            let slot = slot(cookie, probe)?;
+            if owner(slot) == cookie {
+                return Some(slot);
+            }
+        }
+        None
+    }
+
+    /// Claims a free slot for the socket (or takes the one it owns) and
+    /// writes the record into it.
+    #[inline(always)]
+    pub fn file(cookie: u64, tracked: &TrackedSocket) -> bool {
+        let slot = match owned(cookie) {
+            Some(slot) => slot,
+            None => {
+                let mut claimed = None;
+                for probe in 0..SOCKET_SLOT_PROBES {
+                    let Some(slot) = slot(cookie, probe) else {
+                        return false;
+                    };
+                    if owner(slot) == 0 && swap_owner(slot, 0, cookie) {
+                        claimed = Some(slot);
+                        break;
+                    }
+                }
+                let Some(slot) = claimed else {
+                    return false;
+                };
+                slot
+            }
+        };
+        // Word by word: a struct assignment becomes a byte-by-byte memmove.
+        let from = core::ptr::from_ref(tracked).cast::<u32>();
+        let to = unsafe { (&raw mut (*slot).tracked).cast::<u32>() };
+        for word in 0..size_of::<TrackedSocket>() / 4 {
+            unsafe { core::ptr::write_volatile(to.add(word), core::ptr::read(from.add(word))) };
+        }
+        true
+    }
 }
 
 /// The record of the socket of a sock_ops callback.

@@ -78,10 +78,15 @@ pub struct DataPlaneStatus {
 /// The kernel's table of redirected sockets: fixed in size and memory.
 #[derive(Debug, Serialize, PartialEq, Eq)]
 pub struct SocketTableStatus {
-    /// Sockets it can hold (`socket-table-size`).
+    /// The most sockets it can hold: `socket-table-size` in the hash, plus
+    /// the array's slots on Linux 5.12 and later.
     pub capacity: u32,
     /// Sockets it holds now: redirected and not yet closed.
     pub tracked: u64,
+    /// The array's slots (0 before Linux 5.12: the hash alone).
+    pub slots: u32,
+    /// No room for a socket whose slots are taken: the hash is full.
+    pub full: bool,
     /// Kernel memory it takes, all of it allocated when it was made.
     pub memory_bytes: u64,
     /// Connects redirected without a record since install, the table being
@@ -95,6 +100,8 @@ impl From<crate::dataplane::SocketTableUse> for SocketTableStatus {
         Self {
             capacity: table.capacity,
             tracked: table.tracked,
+            slots: table.slots,
+            full: table.full,
             memory_bytes: table.memory_bytes,
             untracked: table.untracked,
         }
@@ -329,10 +336,7 @@ pub fn read(store: &dyn MapStore, paths: &PinPaths) -> StatusReport {
         });
     }
     let socket_table = store.socket_table().ok().map(SocketTableStatus::from);
-    if let Some(table) = socket_table
-        .as_ref()
-        .filter(|table| table.tracked >= u64::from(table.capacity))
-    {
+    if let Some(table) = socket_table.as_ref().filter(|table| table.full) {
         problems.push(format!(
             "the socket table is full ({} sockets): further connects are redirected untracked; raise socket-table-size",
             table.capacity
@@ -789,9 +793,14 @@ impl fmt::Display for StatusReport {
             writeln!(f, "  problem: {problem}")?;
         }
         if let Some(table) = &self.data_plane.socket_table {
+            let layout = if table.slots > 0 {
+                format!(" (an array of {} slots, then the hash)", table.slots)
+            } else {
+                String::new()
+            };
             writeln!(
                 f,
-                "socket table: {} of {} sockets tracked, {:.1} MiB of kernel memory (fixed), {} connects untracked",
+                "socket table: {} of {} sockets tracked{layout}, {:.1} MiB of kernel memory (fixed), {} connects untracked",
                 table.tracked,
                 table.capacity,
                 table.memory_bytes as f64 / (1024.0 * 1024.0),

@@ -115,6 +115,56 @@ fn without_callbacks_at_connect_sock_ops_finds_the_redirected_sockets_and_counts
 }
 
 #[test]
+fn without_socket_slots_the_hash_holds_every_record_and_counts_exactly() {
+    require_root!();
+    let cgroup = Cgroup::new("no-slots");
+    let backend = Backend::start_holding("b0", "127.0.0.2");
+    let vip = vip();
+    let mut daemon = without("socket-slots", &cgroup, vip, &[backend.addr], &[]);
+    assert!(daemon.log_shows(
+        "the socket table is a preallocated hash",
+        Duration::from_secs(1)
+    ));
+    let status = daemon.status().expect("status");
+    let table = &status["data_plane"]["socket_table"];
+    assert_eq!(
+        (table["slots"].as_u64(), table["capacity"].as_u64()),
+        (Some(0), Some(65536)),
+        "the hash alone: {status}"
+    );
+    let paths = socklb::dataplane::PinPaths::new(&daemon.pin_path);
+    assert!(
+        !paths.map(lb_common::names::SOCKET_SLOTS).exists(),
+        "no array pinned"
+    );
+    let attempts = ClientRun::new(vip, Some(&cgroup.path), 3).run();
+    assert!(
+        attempts
+            .iter()
+            .all(|attempt| attempt.peer.as_deref() == Some(vip.to_string().as_str())),
+        "getpeername shows the VIP: {attempts:?}"
+    );
+    let mut held = ConnClient::hold_until_released(vip, &cgroup.path, 20, Duration::from_secs(30));
+    let addr = backend.addr.to_string();
+    daemon.wait_for("20 live and tracked", Duration::from_secs(5), |status| {
+        backend_field(status, &addr, "live") == Some(serde_json::json!(20))
+            && status["data_plane"]["socket_table"]["tracked"] == 20
+    });
+    held.release();
+    let ends = held.finish();
+    assert!(
+        ends.iter().all(|end| end["peer"] == vip.to_string()),
+        "getpeername showed the VIP on every held connection: {ends:?}"
+    );
+    // The server closes its side too (see the test above).
+    drop(backend);
+    daemon.wait_for("0 live, the hash empty", Duration::from_secs(5), |status| {
+        backend_field(status, &addr, "live") == Some(serde_json::json!(0))
+            && status["data_plane"]["socket_table"]["tracked"] == 0
+    });
+}
+
+#[test]
 fn without_sock_destroy_close_on_failure_is_off() {
     require_root!();
     let cgroup = Cgroup::new("no-destroy");

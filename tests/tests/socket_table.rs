@@ -235,7 +235,8 @@ fn every_way_a_socket_ends_leaves_no_record_and_no_count() {
     let endings = Endings::start();
     let (_dir, mut daemon) = start_with_config("ends", &endings.config(), &cgroup.path);
     daemon.wait_for("the daemon runs", Duration::from_secs(10), |status| {
-        status["daemon"]["running"] == true && table_field(status, "capacity") == 65536
+        status["daemon"]["running"] == true
+            && table_field(status, "capacity") - table_field(status, "slots") == 65536
     });
     let [close_vip, reset_vip, hold_vip, silent_vip, refused_vip] = endings.vips;
     let cases: [Ending; 6] = [
@@ -544,6 +545,80 @@ fn a_close_no_program_saw_is_swept_soon_after_the_link_is_repaired() {
     ));
 }
 
+/// The records in the hash, read through its pin: in the array layout,
+/// the sockets that found their slots taken.
+fn records_in_hash(pin_path: &Path) -> usize {
+    let map = aya::maps::MapData::from_pin(pin_path.join(names::SOCKET_TABLE)).expect("the hash");
+    let hash: aya::maps::HashMap<_, u64, lb_common::TrackedSocket> =
+        aya::maps::Map::HashMap(map).try_into().expect("a hash map");
+    hash.keys().count()
+}
+
+#[test]
+fn sockets_that_find_their_slots_taken_go_to_the_hash_and_every_count_stays_exact() {
+    require_root!();
+    const HELD: u32 = 1500;
+    const CHURN: u32 = 500;
+    let cgroup = Cgroup::new("overflow");
+    let server = EndServer::start("127.0.0.7", "hold");
+    let vip = vip();
+    // The smallest table: 1,024 slots of the array, and 1,024 in the hash.
+    let config = format!(
+        "socket-table-size = 1024\n{}",
+        service("hold", vip, server.addr, false)
+    );
+    let (_dir, mut daemon) = start_with_config("overflow", &config, &cgroup.path);
+    daemon.wait_for("the daemon runs", Duration::from_secs(10), |status| {
+        status["daemon"]["running"] == true
+            && table_field(status, "slots") == 1024
+            && table_field(status, "capacity") == 2048
+    });
+    // More long-lived connections than the array has slots: the last ones
+    // (at least 476) find all their slots taken.
+    let (mut holder, held) = Holder::open(vip, &cgroup.path, HELD, &[]);
+    assert_eq!(held, u64::from(HELD), "every connection opened");
+    let counted = |status: &serde_json::Value, count: u32| {
+        backend_count(status, server.addr, "live") == i64::from(count)
+            && table_field(status, "tracked") == u64::from(count)
+    };
+    daemon.wait_for(
+        "every held connection live and tracked",
+        Duration::from_secs(30),
+        |status| counted(status, HELD),
+    );
+    let in_hash = records_in_hash(&daemon.pin_path);
+    assert!(
+        in_hash >= (HELD - 1024) as usize,
+        "{in_hash} records in the hash: the array holds at most 1,024"
+    );
+    // Churn beside them, every slot taken: each connect goes to the hash
+    // and leaves it when its socket ends.
+    let churn = run_ends(vip, &cgroup.path, "linger0", CHURN, &[]);
+    assert_eq!(churn["made"], CHURN, "{churn}");
+    daemon.wait_for(
+        "the held connections alone counted after the churn",
+        Duration::from_secs(30),
+        |status| counted(status, HELD),
+    );
+    let status = daemon.status().expect("status");
+    assert_eq!(
+        table_field(&status, "untracked"),
+        0,
+        "none untracked: {status}"
+    );
+    assert_eq!(
+        status["data_plane"]["socket_table"]["full"], false,
+        "{status}"
+    );
+    holder.kill();
+    let took = until_all_ended(&mut daemon, "the held connections closed");
+    assert_eq!(records_in_hash(&daemon.pin_path), 0, "the hash is empty");
+    record_figures(&format!(
+        "socket table: {HELD} connections held with socket-table-size 1024 (1,024 slots): {in_hash} of them in the hash, every one tracked and counted live; {CHURN} connects beside them through the hash, none untracked; all closed, every count 0 and both tables empty {} ms later",
+        took.as_millis()
+    ));
+}
+
 const MIB: u64 = 1024 * 1024;
 
 #[test]
@@ -594,13 +669,25 @@ fn two_hundred_thousand_sockets_of_a_local_user_grow_no_memory_and_overflow_untr
         .sum();
     assert_eq!(status["daemon"]["running"], true, "the daemon lives");
     assert_eq!(memory.oom_kills(), 0, "nothing was OOM-killed");
-    assert_eq!(tracked, capacity, "the table is full");
+    // socket-table-size sockets (the hash's) are always tracked; the array
+    // layout's slots hold up to as many more, less the slots whose cookies
+    // no socket of this test took.
+    let slots = table_field(&status, "slots");
+    assert_eq!(
+        status["data_plane"]["socket_table"]["full"], true,
+        "the table is full"
+    );
+    assert!(
+        tracked >= capacity - slots && tracked <= capacity,
+        "{tracked} tracked: at least the {} of socket-table-size, at most the capacity {capacity}",
+        capacity - slots
+    );
     assert_eq!(
         untracked,
-        opened - capacity,
+        opened - tracked,
         "every connect past the table was redirected untracked, and counted"
     );
-    assert_eq!(live, capacity as i64, "live counts hold the tracked ones");
+    assert_eq!(live, tracked as i64, "live counts hold the tracked ones");
     assert_eq!(
         table_field(&status, "memory_bytes"),
         map_memory,
@@ -624,7 +711,7 @@ fn two_hundred_thousand_sockets_of_a_local_user_grow_no_memory_and_overflow_untr
     drop(servers);
     let closed = daemon.wait_for("the table empty", Duration::from_secs(180), all_ended);
     record_figures(&format!(
-        "socket table: uid 65534 opened {opened} sockets to the VIP in {:.1} s; table {capacity} tracked (full), {untracked} untracked; its memory {:.1} MiB before and after; the daemon's memory cgroup (limit 48 MiB) {:.1} MiB before, {:.1} MiB with all open (grew {} KiB), peak {:.1} MiB, 0 OOM kills; all closed and the table empty {} ms later",
+        "socket table: uid 65534 opened {opened} sockets to the VIP in {:.1} s; {tracked} tracked of {capacity} ({slots} slots of the array, the hash full), {untracked} untracked; its memory {:.1} MiB before and after; the daemon's memory cgroup (limit 48 MiB) {:.1} MiB before, {:.1} MiB with all open (grew {} KiB), peak {:.1} MiB, 0 OOM kills; all closed and the table empty {} ms later",
         opening.as_secs_f64(),
         map_memory as f64 / MIB as f64,
         daemon_before as f64 / MIB as f64,

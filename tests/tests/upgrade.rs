@@ -1,8 +1,11 @@
 //! An upgrade in place, with no gap: an older socklb (built from this
 //! repository's history) runs; then this socklb starts on the same pins
 //! while a client connects every 5 ms. From the commit before the ABI was
-//! versioned, and from the last one with per-socket records in socket
-//! storage: connections opened before keep getpeername and exact counts.
+//! versioned, from the last one with per-socket records in socket
+//! storage, and from the hash layout of the socket table (this socklb,
+//! told the kernel lacks BPF_CMPXCHG: the layout every release before the
+//! array had): connections opened before keep getpeername and exact
+//! counts.
 
 use std::{
     net::SocketAddr,
@@ -54,7 +57,11 @@ struct Upgraded {
 
 /// Runs `old_socklb`, then upgrades it in place, and waits until this
 /// socklb serves; the client has finished then, the held connections not.
-fn upgrade_in_place(label: &str, old_socklb: &std::path::Path) -> Upgraded {
+fn upgrade_in_place(
+    label: &str,
+    old_socklb: &std::path::Path,
+    old_env: &[(&str, &str)],
+) -> Upgraded {
     let cgroup = Cgroup::new(label);
     let backends: Vec<Backend> = ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
         .iter()
@@ -68,6 +75,7 @@ fn upgrade_in_place(label: &str, old_socklb: &std::path::Path) -> Upgraded {
 
     // The old daemon installs, and serves for a moment.
     let mut old = Command::new(old_socklb)
+        .envs(old_env.iter().copied())
         .arg("run")
         .args(&args)
         .arg("--pin-path")
@@ -110,7 +118,9 @@ fn upgrade_in_place(label: &str, old_socklb: &std::path::Path) -> Upgraded {
     for program in names::PROGRAMS {
         let maps = maps_of_link(&pin_path, program);
         assert!(
-            maps.iter().any(|map| map == names::SOCKET_TABLE),
+            [names::SOCKET_TABLE, names::SOCKET_SLOTS]
+                .iter()
+                .all(|table| maps.iter().any(|map| map == table)),
             "{program}'s link runs the new program (its maps: {maps:?})"
         );
     }
@@ -157,7 +167,7 @@ fn finish(upgraded: &mut Upgraded) -> (usize, usize) {
 #[test]
 fn an_install_of_the_first_layout_is_upgraded_in_place_with_no_failed_connect() {
     require_root!();
-    let mut upgraded = upgrade_in_place("upgrade", &old_socklb_bin());
+    let mut upgraded = upgrade_in_place("upgrade", &old_socklb_bin(), &[]);
     assert!(
         upgraded.daemon.log_shows(
             "upgraded the pinned data plane in place",
@@ -192,7 +202,7 @@ fn an_install_of_the_first_layout_is_upgraded_in_place_with_no_failed_connect() 
 fn an_install_of_the_socket_storage_layout_is_upgraded_in_place_with_exact_counts() {
     require_root!();
     let old = old_socklb_bin_at(SOCKET_STORAGE_COMMIT);
-    let mut upgraded = upgrade_in_place("upgrade-storage", &old);
+    let mut upgraded = upgrade_in_place("upgrade-storage", &old, &[]);
     let paths = PinPaths::new(&upgraded.pin_path);
     assert!(
         paths.map(names::SOCKETS).exists(),
@@ -273,4 +283,79 @@ fn an_install_of_the_socket_storage_layout_is_upgraded_in_place_with_exact_count
         after.len() as u64,
         "every connect redirected after the storage went: {after:?}"
     );
+}
+
+/// The records in the hash of the held connections, read through its pin.
+fn records_in_hash(pin_path: &std::path::Path) -> usize {
+    let map = aya::maps::MapData::from_pin(pin_path.join(names::SOCKET_TABLE)).expect("the hash");
+    let hash: aya::maps::HashMap<_, u64, lb_common::TrackedSocket> =
+        aya::maps::Map::HashMap(map).try_into().expect("a hash map");
+    hash.keys().count()
+}
+
+#[test]
+fn an_install_of_the_hash_layout_is_upgraded_to_the_array_with_exact_counts() {
+    require_root!();
+    let hash_layout = [(
+        socklb::dataplane::features::DISABLE_FOR_TEST,
+        "socket-slots",
+    )];
+    let mut upgraded = upgrade_in_place("upgrade-hash", &socklb_tests::socklb_bin(), &hash_layout);
+    let paths = PinPaths::new(&upgraded.pin_path);
+    assert!(
+        paths.map(names::SOCKET_SLOTS).exists(),
+        "the array is pinned beside the hash"
+    );
+    // The 30 held connections' records stay in the hash, where the new
+    // programs find them; every connect since went to the array.
+    let in_hash = records_in_hash(&upgraded.pin_path);
+    let addrs = upgraded.addrs.clone();
+    let live = |status: &serde_json::Value| -> i64 {
+        addrs
+            .iter()
+            .filter_map(|addr| backend_field(status, &addr.to_string(), "live")?.as_i64())
+            .sum()
+    };
+    let status = upgraded.daemon.status().expect("status");
+    assert!(
+        in_hash >= 30,
+        "the held connections' records are in the hash ({in_hash}): {status}"
+    );
+    assert_eq!(
+        status["data_plane"]["socket_table"]["slots"], 65536,
+        "{status}"
+    );
+    upgraded.daemon.wait_for(
+        "the held connections stay counted",
+        Duration::from_secs(10),
+        |status| live(status) >= 30,
+    );
+    let counts = spread(&upgraded.attempts);
+    let failed = counts.get("error").copied().unwrap_or(0);
+    let (shown_vip, held) = finish(&mut upgraded);
+    assert_eq!(records_in_hash(&upgraded.pin_path), 0, "the hash is empty");
+    // The array layout cannot go back: the hash layout's programs would
+    // not find the records the array holds.
+    let args = service_args(&upgraded.cgroup.path, &[upgraded.vip], &upgraded.addrs, &[]);
+    upgraded.daemon.env = vec![(hash_layout[0].0.to_string(), hash_layout[0].1.to_string())];
+    upgraded.daemon.restart_with(&args);
+    let exit = upgraded
+        .daemon
+        .wait_exit(Duration::from_secs(10))
+        .expect("the hash layout refuses to start over the array");
+    assert!(!exit.success(), "{}", upgraded.daemon.log());
+    assert!(
+        upgraded.daemon.log().contains(names::SOCKET_SLOTS),
+        "the refusal names the array: {}",
+        upgraded.daemon.log()
+    );
+    record_figures(&format!(
+        "upgrade: from the hash layout (this socklb without BPF_CMPXCHG) to the array in place while a client connected every 5 ms: {failed} of {} connects failed; {in_hash} records stayed in the hash and were found there; {shown_vip} of {held} connections opened before show the VIP in getpeername, every live count back to 0 and the hash empty after they closed; going back to the hash layout refused",
+        upgraded.attempts.len(),
+    ));
+    assert_eq!(
+        failed, 0,
+        "no connect failed across the upgrade: {counts:?}"
+    );
+    assert_eq!(shown_vip, held, "getpeername still shows the VIP");
 }

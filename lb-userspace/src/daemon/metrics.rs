@@ -499,7 +499,7 @@ fn encode_socket_table(
     let gauges = [
         (
             "socklb_socket_table_capacity",
-            "Sockets the kernel's socket table can hold (socket-table-size)",
+            "The most sockets the kernel's socket table can hold (socket-table-size in the hash, plus the array's slots)",
             i64::from(table.capacity),
         ),
         (

@@ -85,7 +85,7 @@ impl DataPlane {
             cgroup_id: cgroup.id,
             config_generation: 1,
             repairs: previous.repairs,
-            object_sha256: dataplane::object::object_sha256(),
+            object_sha256: dataplane::object::object_sha256(self.features.socket_slots),
             cgroup_path: path_field(&cgroup.path),
             pin_path: path_field(&self.paths.dir),
         };

@@ -10,6 +10,7 @@ use std::{
     collections::BTreeMap,
     net::SocketAddr,
     os::fd::{AsFd, OwnedFd},
+    sync::Arc,
 };
 
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
@@ -18,16 +19,17 @@ use tokio::sync::mpsc;
 
 use super::rebalance::{ClosePlan, Holding, share_among_owners};
 use crate::{
-    dataplane::{BpfMaps, store::redirected_by_cookie},
+    dataplane::{BpfMaps, slots::SlotTable, store::redirected_by_cookie},
     sockets::{self, Closer, Redirected, SocketOwner, SweepReport},
 };
 
 /// What a sweep needs of the maps, owned, so that it can move to another
 /// thread: the socket storage of the previous layout (whose records
-/// sock_diag reads), the socket table, and the legacy per-socket map,
-/// when there is one.
+/// sock_diag reads), the socket table (the array's mapping, the hash), and
+/// the legacy per-socket map, when there is one.
 pub struct SweepAccess {
     storage: OwnedFd,
+    slots: Option<Arc<SlotTable>>,
     table: Option<BpfHashMap<MapData, u64, TrackedSocket>>,
     legacy: Option<BpfHashMap<MapData, u64, SocketRecord>>,
 }
@@ -46,6 +48,7 @@ impl SweepAccess {
         let storage = maps.fd(names::SOCKETS)?.try_clone_to_owned().ok()?;
         Some(Self {
             storage,
+            slots: maps.socket_slots(),
             table: own_hash_map(maps, names::SOCKET_TABLE),
             legacy: own_hash_map(maps, names::LEGACY_REDIRECTS),
         })
@@ -54,7 +57,13 @@ impl SweepAccess {
     /// Whether the socket table, or else the legacy map, says socklb sent
     /// the socket with this cookie to `backend`.
     fn redirected_to(&self, cookie: u64, backend: &Endpoint) -> bool {
-        redirected_by_cookie(self.table.as_ref(), self.legacy.as_ref(), cookie, backend)
+        redirected_by_cookie(
+            self.slots.as_deref(),
+            self.table.as_ref(),
+            self.legacy.as_ref(),
+            cookie,
+            backend,
+        )
     }
 
     fn census(&self, backends: &[SocketAddr], idle: bool) -> std::io::Result<Vec<Redirected>> {

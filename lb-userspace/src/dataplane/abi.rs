@@ -90,10 +90,11 @@ mod tests {
         let Some(object) = object("every_named_map_and_program_exists_with_its_sizes") else {
             return;
         };
-        for name in names::MAPS
-            .iter()
-            .chain([&names::LEGACY_REDIRECTS, &names::SOCKETS])
-        {
+        for name in names::MAPS.iter().chain([
+            &names::SOCKET_SLOTS,
+            &names::LEGACY_REDIRECTS,
+            &names::SOCKETS,
+        ]) {
             assert!(
                 object.maps.contains_key(*name),
                 "map {name} is in the object"
@@ -113,6 +114,32 @@ mod tests {
                 "program {program} is in the object"
             );
         }
+    }
+
+    #[test]
+    fn the_hash_layout_has_the_same_programs_and_maps_but_the_array() {
+        let Some(array) = object("the_hash_layout_has_the_same_programs_and_maps_but_the_array")
+        else {
+            return;
+        };
+        let hash = aya_obj::Object::parse(crate::dataplane::object::EBPF_HASH_OBJECT)
+            .expect("the hash layout's object parses");
+        let mut programs: Vec<&String> = array.programs.keys().collect();
+        let mut hash_programs: Vec<&String> = hash.programs.keys().collect();
+        programs.sort();
+        hash_programs.sort();
+        assert_eq!(programs, hash_programs);
+        let mut maps: Vec<&String> = array
+            .maps
+            .keys()
+            .filter(|name| *name != names::SOCKET_SLOTS)
+            .collect();
+        let mut hash_maps: Vec<&String> = hash.maps.keys().collect();
+        maps.sort();
+        hash_maps.sort();
+        assert_eq!(maps, hash_maps);
+        // BPF_F_MMAPABLE: the daemon maps the array.
+        assert_eq!(array.maps[names::SOCKET_SLOTS].map_flags(), 1 << 10);
     }
 
     #[test]

@@ -106,8 +106,9 @@ pub fn bring_up(
         None
     };
     migrate::drop_unused_storage(paths);
+    let slots = options.features.socket_slots;
     let adopted = paths.map(names::SERVICES).exists() || old.is_some();
-    let pinned = object::pinned_maps(paths);
+    let pinned = object::pinned_maps(paths, slots);
     let object::Loaded {
         mut ebpf,
         unpinned,
@@ -132,12 +133,17 @@ pub fn bring_up(
     // Before sock_ops can add a socket to the sockhash: a socket takes the
     // sk_msg program the map has when it joins.
     attach_sk_msg(&ebpf, &maps, paths)?;
+    let table = if slots {
+        names::SOCKET_SLOTS
+    } else {
+        names::SOCKET_TABLE
+    };
     let table_id = maps
-        .fd(names::SOCKET_TABLE)
-        .ok_or(KernelError::MissingMap(names::SOCKET_TABLE))
+        .fd(table)
+        .ok_or(KernelError::MissingMap(table))
         .and_then(|fd| {
             sys::map_id(fd).map_err(|source| KernelError::Io {
-                path: paths.map(names::SOCKET_TABLE),
+                path: paths.map(table),
                 source,
             })
         })?;

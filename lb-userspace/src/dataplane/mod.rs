@@ -16,6 +16,7 @@ pub mod migrate;
 pub mod object;
 pub mod pins;
 pub mod shadow;
+pub mod slots;
 pub mod socket_table;
 pub mod store;
 pub mod sys;

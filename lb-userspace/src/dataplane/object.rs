@@ -18,8 +18,18 @@ use lb_common::{features, names};
 
 use super::{KernelError, PinPaths, features::Features};
 
-/// The eBPF object, built and placed in OUT_DIR by build.rs (aya-build).
+/// The eBPF object, built and placed in OUT_DIR by build.rs (aya-build):
+/// the array layout of the socket table (Linux 5.12 and later).
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-ebpf"));
+/// The same programs with the hash layout of the socket table, for kernels
+/// without BPF_CMPXCHG.
+pub static EBPF_HASH_OBJECT: &[u8] =
+    aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/lb-ebpf-hash"));
+
+/// The object of a layout: the array (`slots`) or the hash.
+pub fn object_of(slots: bool) -> &'static [u8] {
+    if slots { EBPF_OBJECT } else { EBPF_HASH_OBJECT }
+}
 
 /// Log level of the kernel programs, fixed when they are loaded. `Off`
 /// keeps logging out of the connect path entirely: the verifier removes the
@@ -91,19 +101,22 @@ pub struct LoadOptions<'a> {
     pub socket_table_size: u32,
 }
 
-/// The SHA-256 of the embedded object: which programs an install runs.
-pub fn object_sha256() -> [u8; 32] {
-    let digest = ring::digest::digest(&ring::digest::SHA256, EBPF_OBJECT);
+/// The SHA-256 of the object of a layout: which programs an install runs.
+pub fn object_sha256(slots: bool) -> [u8; 32] {
+    let digest = ring::digest::digest(&ring::digest::SHA256, object_of(slots));
     let mut sha = [0u8; 32];
     sha.copy_from_slice(digest.as_ref());
     sha
 }
 
-/// The maps this load pins: socklb's own, and the older layouts'
-/// per-socket maps while an upgrade from one left them pinned (sockets it
-/// redirected may still live).
-pub fn pinned_maps(paths: &PinPaths) -> Vec<&'static str> {
+/// The maps this load pins: socklb's own with the socket table of the
+/// layout, and the older layouts' per-socket maps while an upgrade from
+/// one left them pinned (sockets it redirected may still live).
+pub fn pinned_maps(paths: &PinPaths, slots: bool) -> Vec<&'static str> {
     let mut maps = names::MAPS.to_vec();
+    if slots {
+        maps.insert(3, names::SOCKET_SLOTS);
+    }
     for legacy in [names::LEGACY_REDIRECTS, names::SOCKETS] {
         if paths.map(legacy).exists() {
             maps.push(legacy);
@@ -124,20 +137,38 @@ fn legacy_bits(paths: &PinPaths) -> u32 {
     bits
 }
 
-/// The socket table's size: the pinned table's, which holds live sockets'
-/// records and cannot grow, or else the configured one; with a note when
-/// they differ.
-fn socket_table_size(paths: &PinPaths, configured: u32) -> (u32, Option<String>) {
-    let Ok(pinned) = MapInfo::from_pin(paths.map(names::SOCKET_TABLE)) else {
-        return (configured, None);
+/// The entries of one map of the socket table (the hash's elements, or
+/// the array's slots): the pinned map's, which holds live sockets' records
+/// and cannot grow, or else `wanted`; with a note when they differ.
+fn socket_table_entries(
+    paths: &PinPaths,
+    name: &'static str,
+    wanted: u32,
+    configured: u32,
+) -> (u32, Option<String>) {
+    let Ok(pinned) = MapInfo::from_pin(paths.map(name)) else {
+        return (wanted, None);
     };
-    let size = pinned.max_entries();
-    let note = (size != configured).then(|| {
+    let entries = pinned.max_entries();
+    let note = (entries != wanted).then(|| {
         format!(
-            "socket-table-size is {configured}, but the pinned socket table holds {size} sockets and keeps that size (it holds the records of open connections); the new size applies after `socklb uninstall`"
+            "socket-table-size is {configured}, but the pinned {name} has {entries} entries and keeps them (it holds the records of open connections); the new size applies after `socklb uninstall`"
         )
     });
-    (size, note)
+    (entries, note)
+}
+
+/// Refuses the hash layout over an install of the array layout: its
+/// programs would not find the records of the sockets the array holds.
+fn check_layout(paths: &PinPaths, slots: bool) -> Result<(), KernelError> {
+    let path = paths.map(names::SOCKET_SLOTS);
+    if slots || !path.exists() {
+        return Ok(());
+    }
+    Err(KernelError::Layout {
+        path,
+        problem: "this install keeps its socket table as an array of slots (Linux 5.12 and later), and this start would use the hash layout; run `socklb uninstall` first".to_string(),
+    })
 }
 
 /// A pinned map that does not match the object's definition (the socket
@@ -146,7 +177,7 @@ fn layout_problem(paths: &PinPaths, name: &str, object: &aya_obj::Object) -> Opt
     let wanted = object.maps.get(name)?;
     let found = MapInfo::from_pin(paths.map(name)).ok()?;
     let found_type = found.map_type().map_or(u32::MAX, |kind| kind as u32);
-    let wanted_entries = if name == names::SOCKET_TABLE {
+    let wanted_entries = if name == names::SOCKET_TABLE || name == names::SOCKET_SLOTS {
         found.max_entries()
     } else {
         wanted.max_entries()
@@ -170,13 +201,16 @@ fn layout_problem(paths: &PinPaths, name: &str, object: &aya_obj::Object) -> Opt
 /// unpinned), after checking that each pinned map has the layout this
 /// object expects.
 pub fn load(paths: &PinPaths, options: LoadOptions<'_>) -> Result<Loaded, KernelError> {
-    if EBPF_OBJECT.is_empty() {
+    let slots = options.features.socket_slots;
+    let bytes = object_of(slots);
+    if bytes.is_empty() {
         return Err(KernelError::NoObject);
     }
-    let object = aya_obj::Object::parse(EBPF_OBJECT).map_err(|error| KernelError::Object {
+    check_layout(paths, slots)?;
+    let object = aya_obj::Object::parse(bytes).map_err(|error| KernelError::Object {
         problem: error.to_string(),
     })?;
-    let shared = pinned_maps(paths);
+    let shared = pinned_maps(paths, slots);
     for &name in &shared {
         if let Some(problem) = layout_problem(paths, name, &object) {
             return Err(KernelError::Layout {
@@ -192,11 +226,31 @@ pub fn load(paths: &PinPaths, options: LoadOptions<'_>) -> Result<Loaded, Kernel
         .collect();
     let level = options.log_level.as_u8();
     let bits = options.features.bits() | legacy_bits(paths);
-    let (socket_table_size, note) = socket_table_size(paths, options.socket_table_size);
+    let configured = options.socket_table_size;
+    let (entries, note) = socket_table_entries(paths, names::SOCKET_TABLE, configured, configured);
+    let (slot_count, slot_note) = if slots {
+        let wanted = lb_common::socket_slots_for(configured);
+        socket_table_entries(paths, names::SOCKET_SLOTS, wanted, configured)
+    } else {
+        (0, None)
+    };
+    // `socket_slots_for` makes a power of two; a pinned array that is not
+    // one was not made by socklb.
+    if slots && !slot_count.is_power_of_two() {
+        return Err(KernelError::Layout {
+            path: paths.map(names::SOCKET_SLOTS),
+            problem: format!("{slot_count} slots, not a power of two"),
+        });
+    }
+    let mask = slot_count.wrapping_sub(1);
     let mut loader = EbpfLoader::new();
     loader.override_global("AYA_LOG_LEVEL", &level, false);
     loader.override_global(names::globals::FEATURES, &bits, true);
-    loader.map_max_entries(names::SOCKET_TABLE, socket_table_size);
+    loader.map_max_entries(names::SOCKET_TABLE, entries);
+    if slots {
+        loader.map_max_entries(names::SOCKET_SLOTS, slot_count);
+        loader.override_global(names::globals::SLOT_MASK, &mask, true);
+    }
     if !shared.contains(&names::LEGACY_REDIRECTS) {
         // Nothing reads the legacy map on this install: one entry, unpinned.
         loader.map_max_entries(names::LEGACY_REDIRECTS, 1);
@@ -206,7 +260,7 @@ pub fn load(paths: &PinPaths, options: LoadOptions<'_>) -> Result<Loaded, Kernel
     for (name, path) in &pin_paths {
         loader.map_pin_path(name, path.as_path());
     }
-    let mut ebpf = loader.load(EBPF_OBJECT)?;
+    let mut ebpf = loader.load(bytes)?;
     for name in names::PROGRAMS.into_iter().chain(names::UNATTACHED) {
         load_program(&mut ebpf, name)?;
     }
@@ -217,8 +271,8 @@ pub fn load(paths: &PinPaths, options: LoadOptions<'_>) -> Result<Loaded, Kernel
     Ok(Loaded {
         ebpf,
         unpinned,
-        socket_table_size,
-        notes: note.into_iter().collect(),
+        socket_table_size: entries,
+        notes: note.into_iter().chain(slot_note).collect(),
     })
 }
 

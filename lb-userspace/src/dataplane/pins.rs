@@ -51,9 +51,21 @@ impl PinPaths {
         self.dir.join(format!("new_link_{program}"))
     }
 
+    /// Whether the install here keeps the array layout's socket table: a
+    /// fresh one does (on Linux 5.12 and later), an install of the hash
+    /// layout has only the hash pinned.
+    pub fn has_slots(&self) -> bool {
+        self.map(names::SOCKET_SLOTS).exists() || !self.map(names::SOCKET_TABLE).exists()
+    }
+
     /// The maps socklb pins here.
     pub fn maps(&self) -> impl Iterator<Item = (&'static str, PathBuf)> + '_ {
-        names::MAPS.iter().map(|name| (*name, self.map(name)))
+        let slots = self.has_slots().then_some(names::SOCKET_SLOTS);
+        names::MAPS
+            .iter()
+            .copied()
+            .chain(slots)
+            .map(|name| (name, self.map(name)))
     }
 
     /// The link pins socklb owns here.
@@ -75,7 +87,10 @@ impl PinPaths {
             .iter()
             .rev()
             .map(|program| self.link(program));
-        let maps = self.maps().map(|(_, path)| path);
+        let maps = names::MAPS
+            .iter()
+            .chain([&names::SOCKET_SLOTS])
+            .map(|name| self.map(name));
         // Maps of the first layout, which an upgrade cut short may leave.
         let legacy = lb_common::names::v0::MAPS
             .iter()

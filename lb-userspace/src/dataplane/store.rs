@@ -5,6 +5,7 @@
 use std::{
     collections::{BTreeMap, BTreeSet},
     os::fd::{AsFd, OwnedFd},
+    sync::Arc,
 };
 
 use aya::maps::{Array, HashMap as BpfHashMap, Map, MapData, MapError, PerCpuArray, PerCpuValues};
@@ -15,7 +16,7 @@ use lb_common::{
     vip_port_bit,
 };
 
-use super::sys;
+use super::{slots::SlotTable, sys};
 
 /// A map operation that failed, naming the map.
 #[derive(Debug, thiserror::Error)]
@@ -109,14 +110,19 @@ pub trait MapStore {
     fn socket_table(&self) -> Result<SocketTableUse, StoreError>;
 }
 
-/// Whether the socket table, or else the first layout's LRU, says socklb
-/// sent the socket with this cookie to `backend`.
+/// Whether the socket table (the array's slots, or else the hash), or else
+/// the first layout's LRU, says socklb sent the socket with this cookie to
+/// `backend`.
 pub fn redirected_by_cookie(
+    slots: Option<&SlotTable>,
     table: Option<&BpfHashMap<MapData, u64, TrackedSocket>>,
     legacy: Option<&BpfHashMap<MapData, u64, SocketRecord>>,
     cookie: u64,
     backend: &Endpoint,
 ) -> bool {
+    if let Some(tracked) = slots.and_then(|slots| slots.get(cookie)) {
+        return tracked.record.backend == *backend;
+    }
     let in_table = table.is_some_and(|map| {
         map.get(&cookie, 0)
             .is_ok_and(|tracked| tracked.record.backend == *backend)
@@ -131,10 +137,19 @@ pub fn redirected_by_cookie(
 /// The socket table as status shows it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SocketTableUse {
-    /// Sockets it can hold (`socket-table-size`, fixed when it was made).
+    /// The most sockets it can hold, fixed when it was made: the hash's
+    /// `socket-table-size`, plus the array layout's slots.
     pub capacity: u32,
     /// Sockets it holds now.
     pub tracked: u64,
+    /// The array layout's slots (0 in the hash layout). A socket whose
+    /// few slots are taken goes to the hash, so `socket-table-size`
+    /// sockets are always tracked, and up to `capacity` when their
+    /// cookies spread over the array.
+    pub slots: u32,
+    /// No room for another socket: the hash is full (a socket finding its
+    /// slots taken goes untracked).
+    pub full: bool,
     /// Kernel memory it takes, all of it allocated when it was made.
     pub memory_bytes: u64,
     /// Connects redirected without a record since install (table full).
@@ -152,9 +167,13 @@ pub struct BpfMaps {
     slots: Array<MapData, BackendSlot>,
     /// The legacy per-socket LRU, when this install has one.
     legacy: Option<BpfHashMap<MapData, u64, SocketRecord>>,
-    /// The socket table and its counter, and the heartbeat the connect
-    /// programs read (absent in an install of an older socklb, which
-    /// `status` may read).
+    /// The socket table of the array layout, mapped (shared with the
+    /// sweeps, which run on other threads).
+    socket_slots: Option<Arc<SlotTable>>,
+    /// The socket table of the hash layout (on an install of the array
+    /// layout, only while an upgrade left records there), its counter,
+    /// and the heartbeat the connect programs read (absent in an install
+    /// of an older socklb, which `status` may read).
     socket_table: Option<BpfHashMap<MapData, u64, TrackedSocket>>,
     socket_table_stats: Option<PerCpuArray<MapData, SocketTableStats>>,
     liveness: Option<Array<MapData, Liveness>>,
@@ -215,6 +234,7 @@ impl BpfMaps {
             services: typed!(names::SERVICES),
             slots: typed!(names::SLOTS),
             legacy: None,
+            socket_slots: None,
             socket_table: None,
             socket_table_stats: None,
             liveness: None,
@@ -237,6 +257,14 @@ impl BpfMaps {
         let _ = take(names::AYA_LOGS);
         // Pinned only while sockets of an upgraded install need it.
         let _ = take(names::SOCKETS);
+        let socket_slots = take(names::SOCKET_SLOTS)
+            .ok()
+            .and_then(|map| {
+                let data = map_data(&map)?;
+                let slots = data.info().ok()?.max_entries();
+                SlotTable::map(data.fd().as_fd(), slots).ok()
+            })
+            .map(Arc::new);
         let socket_table = take(names::SOCKET_TABLE)
             .ok()
             .and_then(|map| map.try_into().ok());
@@ -262,6 +290,7 @@ impl BpfMaps {
             vip_ports,
             legacy,
             accel,
+            socket_slots,
             socket_table,
             socket_table_stats,
             liveness,
@@ -543,6 +572,7 @@ impl MapStore for BpfMaps {
 
     fn redirected_to(&self, cookie: u64, backend: &Endpoint) -> bool {
         redirected_by_cookie(
+            self.socket_slots.as_deref(),
             self.socket_table.as_ref(),
             self.legacy.as_ref(),
             cookie,
@@ -567,11 +597,24 @@ impl MapStore for BpfMaps {
     }
 
     fn tracked_sockets(&self) -> Result<Vec<(u64, TrackedSocket)>, StoreError> {
-        let capacity = self.socket_table_capacity()?;
-        self.dump(names::SOCKET_TABLE, capacity)
+        let mut records = self
+            .socket_slots
+            .as_ref()
+            .map(|slots| slots.records())
+            .unwrap_or_default();
+        if self.socket_table.is_some() {
+            let capacity = self.hash_table_info()?.max_entries;
+            records.extend(self.dump::<u64, TrackedSocket>(names::SOCKET_TABLE, capacity)?);
+        }
+        Ok(records)
     }
 
     fn forget_socket(&mut self, cookie: u64) -> Result<bool, StoreError> {
+        if let Some(slots) = &self.socket_slots
+            && slots.forget(cookie)
+        {
+            return Ok(true);
+        }
         let map = self
             .socket_table
             .as_mut()
@@ -585,10 +628,19 @@ impl MapStore for BpfMaps {
 
     fn socket_table(&self) -> Result<SocketTableUse, StoreError> {
         let info = self.socket_table_info()?;
-        let tracked = self.tracked_sockets()?.len() as u64;
+        let hash = self.hash_table_info()?.max_entries;
+        let in_slots = self
+            .socket_slots
+            .as_ref()
+            .map_or(0, |slots| slots.records().len() as u64);
+        let in_hash = self
+            .dump::<u64, TrackedSocket>(names::SOCKET_TABLE, hash)?
+            .len() as u64;
         Ok(SocketTableUse {
             capacity: info.max_entries,
-            tracked,
+            tracked: in_slots + in_hash,
+            slots: self.socket_slots.as_ref().map_or(0, |slots| slots.slots()),
+            full: in_hash >= u64::from(hash),
             memory_bytes: info.memlock,
             untracked: self.untracked(),
         })
@@ -596,11 +648,34 @@ impl MapStore for BpfMaps {
 }
 
 impl BpfMaps {
-    fn socket_table_info(&self) -> Result<super::socket_table::MapFdInfo, StoreError> {
+    fn hash_table_info(&self) -> Result<super::socket_table::MapFdInfo, StoreError> {
         let fd = self
             .fd(names::SOCKET_TABLE)
             .ok_or_else(|| StoreError::new(names::SOCKET_TABLE, "not open"))?;
         super::socket_table::map_fdinfo(fd).map_err(failed(names::SOCKET_TABLE))
+    }
+
+    /// The most sockets the install's socket table holds, and its memory:
+    /// the hash's, and in the array layout the array's too.
+    fn socket_table_info(&self) -> Result<super::socket_table::MapFdInfo, StoreError> {
+        let hash = self.hash_table_info()?;
+        if self.socket_slots.is_none() {
+            return Ok(hash);
+        }
+        let fd = self
+            .fd(names::SOCKET_SLOTS)
+            .ok_or_else(|| StoreError::new(names::SOCKET_SLOTS, "not open"))?;
+        let slots = super::socket_table::map_fdinfo(fd).map_err(failed(names::SOCKET_SLOTS))?;
+        Ok(super::socket_table::MapFdInfo {
+            max_entries: hash.max_entries.saturating_add(slots.max_entries),
+            memlock: hash.memlock + slots.memlock,
+        })
+    }
+
+    /// The mapped array of the array layout, for a sweep on another
+    /// thread.
+    pub fn socket_slots(&self) -> Option<Arc<SlotTable>> {
+        self.socket_slots.clone()
     }
 
     fn socket_table_capacity(&self) -> Result<u32, StoreError> {

@@ -388,7 +388,7 @@ pub fn process_sample(pid: u32, cpu_cgroup: &Path, values: &mut BTreeMap<String,
 /// Entries of every pinned map that has a count of entries (hash maps,
 /// LRU maps, sockhashes); arrays and ring buffers are fixed.
 pub fn map_sample(pin_path: &Path, values: &mut BTreeMap<String, f64>) {
-    for name in names::MAPS {
+    for name in names::MAPS.into_iter().chain([names::SOCKET_SLOTS]) {
         let path = pin_path.join(name);
         if !path.exists() {
             continue;

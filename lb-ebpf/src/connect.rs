@@ -324,37 +324,54 @@ fn track(ctx: &SockAddrContext, vip: &Endpoint, choice: &Choice) {
         netns_cookie: choice.netns_cookie,
     };
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    if !records::file(cookie, &tracked) {
+    // A socket connecting again after a failed attempt has the state
+    // callbacks its first attempt asked for (or another program asked for
+    // them: a needless removal from the hash then). Before Linux 6.12 the
+    // flags cannot be read here, and any socket may have been filed.
+    let callbacks = if has(features::CALLBACKS_AT_CONNECT) {
+        callback_flags(ctx)
+    } else {
+        None
+    };
+    let filed_before = callbacks.is_none_or(|flags| flags & BPF_SOCK_OPS_STATE_CB_FLAG as i32 != 0);
+    let Some(origin) = records::file(cookie, &tracked, filed_before) else {
         count_untracked();
         return;
-    }
-    if has(features::CALLBACKS_AT_CONNECT) && !ask_for_callbacks(ctx) {
-        let _ = records::forget(cookie);
+    };
+    if has(features::CALLBACKS_AT_CONNECT)
+        && !callbacks.is_some_and(|flags| ask_for_callbacks(ctx, flags))
+    {
+        let _ = records::forget(cookie, origin);
         count_untracked();
     }
 }
 
-/// Asks for the socket's state changes (to see how it ends) and
-/// retransmission timeouts (to see a SYN go unanswered), keeping any flag
-/// another program set. Done here, so that sock_ops need not look every
-/// connecting socket of the cgroup up to find the redirected ones.
+/// The socket's sock_ops callback flags, which connect4/6 read before
+/// filing the socket (Linux 6.12).
 #[inline(always)]
-fn ask_for_callbacks(ctx: &SockAddrContext) -> bool {
+fn callback_flags(ctx: &SockAddrContext) -> Option<i32> {
     let mut flags: i32 = 0;
-    let size = size_of::<i32>() as i32;
     let read = unsafe {
         bpf_getsockopt(
             ctx.as_ptr(),
             SOL_TCP,
             TCP_BPF_SOCK_OPS_CB_FLAGS,
             (&raw mut flags).cast(),
-            size,
+            size_of::<i32>() as i32,
         )
     };
-    if read != 0 {
-        return false;
-    }
-    flags |= (BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_RTO_CB_FLAG) as i32;
+    (read == 0).then_some(flags)
+}
+
+/// Asks for the socket's state changes (to see how it ends) and
+/// retransmission timeouts (to see a SYN go unanswered), keeping any flag
+/// another program set (`flags`, as `callback_flags` read them). Done
+/// here, so that sock_ops need not look every connecting socket of the
+/// cgroup up to find the redirected ones.
+#[inline(always)]
+fn ask_for_callbacks(ctx: &SockAddrContext, flags: i32) -> bool {
+    let mut flags = flags | (BPF_SOCK_OPS_STATE_CB_FLAG | BPF_SOCK_OPS_RTO_CB_FLAG) as i32;
+    let size = size_of::<i32>() as i32;
     let written = unsafe {
         bpf_setsockopt(
             ctx.as_ptr(),

@@ -17,8 +17,10 @@ use crate::{
     maps::{LEGACY_REDIRECTS, LEGACY_SOCKETS, SOCKET_TABLE},
 };
 
-/// `Found::origin`: the socket table.
+/// `Found::origin`: the socket table's hash.
 pub const ORIGIN_TABLE: u32 = 0;
+/// `Found::origin`: a slot of the socket table's array.
+pub const ORIGIN_SLOT: u32 = 3;
 /// `Found::origin`: the previous layout's socket storage.
 pub const ORIGIN_STORAGE: u32 = 1;
 /// `Found::origin`: the first layout's LRU.
@@ -60,45 +62,63 @@ impl Found {
     }
 }
 
-/// The socket table's record of a socket: in the array layout its slot,
-/// or else the hash's record (a socket that found its slots taken, or one
-/// an install of the hash layout filed before an upgrade).
+/// The socket table's record of a socket, and where it is
+/// (`ORIGIN_SLOT` or `ORIGIN_TABLE`): in the array layout its slot, or
+/// else the hash's record (a socket that found its slots taken, or one an
+/// install of the hash layout filed before an upgrade).
 #[inline(always)]
-pub fn tracked(cookie: u64) -> Option<*mut TrackedSocket> {
+pub fn in_table(cookie: u64) -> Option<(*mut TrackedSocket, u32)> {
     #[cfg(feature = "slots")]
     if let Some(slot) = slots::owned(cookie) {
-        return Some(unsafe { &raw mut (*slot).tracked });
+        return Some((unsafe { &raw mut (*slot).tracked }, ORIGIN_SLOT));
     }
-    SOCKET_TABLE.get_ptr_mut(cookie)
+    SOCKET_TABLE
+        .get_ptr_mut(cookie)
+        .map(|tracked| (tracked, ORIGIN_TABLE))
 }
 
-/// Takes a socket's record out of the table. True for the one caller that
-/// removed it: sock_ops, sock_release and the daemon's sweep may all try,
-/// and only the one that removed the record may take its connection off
-/// the live count.
+/// The socket table's record of a socket.
 #[inline(always)]
-pub fn forget(cookie: u64) -> bool {
+pub fn tracked(cookie: u64) -> Option<*mut TrackedSocket> {
+    in_table(cookie).map(|(tracked, _)| tracked)
+}
+
+/// Takes a socket's record out of the place `in_table` found it
+/// (`origin`). True for the one caller that removed it: sock_ops,
+/// sock_release and the daemon's sweep may all try, and only the one that
+/// removed the record it read may take its connection off the live count.
+#[inline(always)]
+pub fn forget(cookie: u64, origin: u32) -> bool {
     #[cfg(feature = "slots")]
-    if let Some(slot) = slots::owned(cookie) {
-        return slots::swap_owner(slot, cookie, 0);
+    if origin == ORIGIN_SLOT {
+        return slots::owned(cookie).is_some_and(|slot| slots::swap_owner(slot, cookie, 0));
     }
+    let _ = origin;
     SOCKET_TABLE.remove(cookie).is_ok()
 }
 
-/// Files a socket's record; a socket that connects again after a failed
-/// attempt gets its record replaced. In the array layout a socket whose
-/// slots are all taken goes to the hash. False when the table has no room
-/// for it: the hash is full (and, in the array layout, the socket's slots
-/// are taken).
+/// Files a socket's record, and says where (`ORIGIN_SLOT` or
+/// `ORIGIN_TABLE`); None when the table has no room for it: the hash is
+/// full (and, in the array layout, the socket's slots are taken). A
+/// socket that connects again after a failed attempt gets its record
+/// replaced; `filed_before` says it may have one in the hash (where a
+/// fresh slot would leave it behind).
 #[inline(always)]
-pub fn file(cookie: u64, tracked: &TrackedSocket) -> bool {
+pub fn file(cookie: u64, tracked: &TrackedSocket, filed_before: bool) -> Option<u32> {
     #[cfg(feature = "slots")]
     if slots::file(cookie, tracked) {
-        return true;
+        if filed_before {
+            let _ = SOCKET_TABLE.remove(cookie);
+        }
+        return Some(ORIGIN_SLOT);
     }
+    let _ = filed_before;
     // BPF_ANY: replaces the record of a socket connecting again.
     const BPF_ANY: u64 = 0;
-    SOCKET_TABLE.insert(cookie, *tracked, BPF_ANY).is_ok()
+    SOCKET_TABLE
+        .insert(cookie, *tracked, BPF_ANY)
+        .is_ok()
+        .then_some(ORIGIN_TABLE)
 }
 
 /// The array layout: a socket's slots are `cookie & mask` and the next
@@ -159,28 +179,27 @@ mod slots {
         None
     }
 
-    /// Claims a free slot for the socket (or takes the one it owns) and
-    /// writes the record into it.
+    /// Claims a free slot for the socket and writes the record into it.
+    /// A socket connecting again gives its old slot back first: a record
+    /// is only ever written into a slot this call claimed, never into one
+    /// the daemon's sweep may have freed meanwhile.
     #[inline(always)]
     pub fn file(cookie: u64, tracked: &TrackedSocket) -> bool {
-        let slot = match owned(cookie) {
-            Some(slot) => slot,
-            None => {
-                let mut claimed = None;
-                for probe in 0..SOCKET_SLOT_PROBES {
-                    let Some(slot) = slot(cookie, probe) else {
-                        return false;
-                    };
-                    if owner(slot) == 0 && swap_owner(slot, 0, cookie) {
-                        claimed = Some(slot);
-                        break;
-                    }
-                }
-                let Some(slot) = claimed else {
-                    return false;
-                };
-                slot
+        if let Some(old) = owned(cookie) {
+            let _ = swap_owner(old, cookie, 0);
+        }
+        let mut claimed = None;
+        for probe in 0..SOCKET_SLOT_PROBES {
+            let Some(slot) = slot(cookie, probe) else {
+                return false;
+            };
+            if owner(slot) == 0 && swap_owner(slot, 0, cookie) {
+                claimed = Some(slot);
+                break;
             }
+        }
+        let Some(slot) = claimed else {
+            return false;
         };
         // Word by word: a struct assignment becomes a byte-by-byte memmove.
         let from = core::ptr::from_ref(tracked).cast::<u32>();
@@ -196,10 +215,10 @@ mod slots {
 #[inline(always)]
 pub fn for_sock_ops(ctx: &SockOpsContext) -> Option<Found> {
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    if let Some(tracked) = tracked(cookie) {
+    if let Some((tracked, origin)) = in_table(cookie) {
         return Some(Found {
             record: unsafe { &raw mut (*tracked).record },
-            origin: ORIGIN_TABLE,
+            origin,
             cookie,
         });
     }

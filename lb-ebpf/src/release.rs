@@ -33,12 +33,12 @@ fn released(ctx: &SockContext) {
         return;
     }
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let Some(tracked) = records::tracked(cookie) else {
+    let Some((tracked, origin)) = records::in_table(cookie) else {
         return;
     };
     // SAFETY: read before the removal below gives the element back.
     let (backend_id, flags) = unsafe { ((*tracked).record.backend_id, (*tracked).record.flags) };
-    if !records::forget(cookie) || flags & SOCKET_FLAG_LIVE == 0 {
+    if !records::forget(cookie, origin) || flags & SOCKET_FLAG_LIVE == 0 {
         return;
     }
     // A live socket whose close no state callback reported (another

@@ -28,7 +28,7 @@ use lb_common::{
 use crate::{
     TCP_CLOSE, TCP_SYN_SENT, add_i64, add_u64, has,
     maps::{BACKEND_CONNS, CONNECT_FAILURES, LEGACY_REDIRECTS},
-    records::{self, Found, ORIGIN_STORAGE, ORIGIN_TABLE},
+    records::{self, Found, ORIGIN_SLOT, ORIGIN_STORAGE, ORIGIN_TABLE},
     sk_msg,
 };
 
@@ -181,7 +181,9 @@ fn closed(ctx: &SockOpsContext) {
 #[inline(always)]
 fn take_away(found: &Found, flags: u32, old_state: u32) -> Option<bool> {
     match found.origin {
-        ORIGIN_TABLE => records::forget(found.cookie).then_some(flags & SOCKET_FLAG_LIVE != 0),
+        ORIGIN_TABLE | ORIGIN_SLOT => {
+            records::forget(found.cookie, found.origin).then_some(flags & SOCKET_FLAG_LIVE != 0)
+        }
         ORIGIN_STORAGE => {
             // The storage goes with the socket; the flag keeps a second
             // close (CLOSE to CLOSE) from counting twice.

@@ -338,7 +338,7 @@ pub fn read(store: &dyn MapStore, paths: &PinPaths) -> StatusReport {
     let socket_table = store.socket_table().ok().map(SocketTableStatus::from);
     if let Some(table) = socket_table.as_ref().filter(|table| table.full) {
         problems.push(format!(
-            "the socket table is full ({} sockets): further connects are redirected untracked; raise socket-table-size",
+            "the socket table is full ({} sockets at most): further connects are redirected untracked; raise socket-table-size",
             table.capacity
         ));
     }

@@ -516,8 +516,10 @@ fn a_crash_at_any_pin_of_an_install_or_uninstall_is_completed_by_the_next_start(
     let backend = Backend::start("b0", "127.0.0.2");
     let vip = vip();
     let args = service_args(&cgroup.path, &[vip], &[backend.addr], &[]);
-    // The maps, the array layout's socket table and the links.
-    let pins_of_an_install = names::MAPS.len() + 1 + names::PROGRAMS.len();
+    // The maps (and the array of the socket table, where the kernel takes
+    // it) and the links.
+    let slots = usize::from(socklb::dataplane::sys::compare_exchange_supported());
+    let pins_of_an_install = names::MAPS.len() + slots + names::PROGRAMS.len();
     let mut trials = 0;
     for pin_count in 1..=pins_of_an_install {
         for round in 0..2 {

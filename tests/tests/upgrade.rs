@@ -136,6 +136,25 @@ fn upgrade_in_place(
     }
 }
 
+/// The client sockets the kernel holds live to the backends: the 30 held
+/// ones, and any of the client's closed connects still in FIN_WAIT. Only
+/// the client's cgroup: the daemon's probes to the same backends are
+/// sockets too, and socklb rightly counts none of them.
+fn live_client_sockets(cgroup: &Cgroup, addrs: &[SocketAddr]) -> usize {
+    let client_cgroup = std::os::unix::fs::MetadataExt::ino(
+        &std::fs::metadata(&cgroup.path).expect("the client cgroup"),
+    );
+    socklb_tests::sockdiag::dump_v4()
+        .expect("a sock_diag dump")
+        .iter()
+        .filter(|socket| {
+            addrs.contains(&socket.peer)
+                && socket.is_live()
+                && socket.cgroup_id == Some(client_cgroup)
+        })
+        .count()
+}
+
 /// Releases the held connections; how many showed the VIP in getpeername
 /// (asked after the upgrade), of how many. Then every count must fall to
 /// 0 once the servers close their side too.
@@ -221,22 +240,7 @@ fn an_install_of_the_socket_storage_layout_is_upgraded_in_place_with_exact_count
     // client socket whose last ACK came while its process held it waits
     // in FIN_WAIT2 for tcp_fin_timeout (60 s), rightly counted; two suites
     // side by side made that happen here (31 counted, 30 expected).
-    // Only the client's cgroup: the daemon's probes to the same backends
-    // are sockets too, and socklb rightly counts none of them.
-    let client_cgroup = std::os::unix::fs::MetadataExt::ino(
-        &std::fs::metadata(&upgraded.cgroup.path).expect("the client cgroup"),
-    );
-    let live_in_kernel = || {
-        socklb_tests::sockdiag::dump_v4()
-            .expect("a sock_diag dump")
-            .iter()
-            .filter(|socket| {
-                addrs.contains(&socket.peer)
-                    && socket.is_live()
-                    && socket.cgroup_id == Some(client_cgroup)
-            })
-            .count()
-    };
+    let live_in_kernel = || live_client_sockets(&upgraded.cgroup, &addrs);
     upgraded.daemon.wait_for(
         "the held connections stay counted, exactly",
         Duration::from_secs(10),
@@ -326,9 +330,12 @@ fn an_install_of_the_hash_layout_is_upgraded_to_the_array_with_exact_counts() {
         "{status}"
     );
     upgraded.daemon.wait_for(
-        "the held connections stay counted",
+        "the held connections stay counted, exactly",
         Duration::from_secs(10),
-        |status| live(status) >= 30,
+        |status| {
+            let kernel = live_client_sockets(&upgraded.cgroup, &addrs);
+            kernel >= 30 && usize::try_from(live(status)) == Ok(kernel)
+        },
     );
     let counts = spread(&upgraded.attempts);
     let failed = counts.get("error").copied().unwrap_or(0);

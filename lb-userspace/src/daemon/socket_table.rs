@@ -56,7 +56,7 @@ impl SocketTableCare {
                 capacity,
                 untracked_before,
             }) => warn!(
-                "the socket table is full ({capacity} sockets): new connects are redirected untracked (getpeername shows them their backend, least-conn does not count them); raise socket-table-size ({untracked_before} untracked before this)"
+                "the socket table is full ({capacity} sockets at most): new connects are redirected untracked (getpeername shows them their backend, least-conn does not count them); raise socket-table-size ({untracked_before} untracked before this)"
             ),
             Some(FullEvent::Ended {
                 untracked_in_episode,

@@ -68,9 +68,10 @@ impl Features {
                 .all(|kind| {
                     is_helper_supported(kind, BpfHelper::BPF_FUNC_get_netns_cookie).unwrap_or(false)
                 }),
-            // An older verifier refuses the instruction wherever it is, so
-            // no probe program can ask without the release.
-            socket_slots: kernel_release_at_least(&kernel_release(), (5, 12)),
+            // Loading a program that uses it: the verifier and the JIT
+            // both must take it (an older verifier refuses it anywhere in
+            // a program, so the object cannot carry a fallback).
+            socket_slots: super::sys::compare_exchange_supported(),
         };
         probed.without(&std::env::var(DISABLE_FOR_TEST).unwrap_or_default())
     }

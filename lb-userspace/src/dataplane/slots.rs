@@ -94,6 +94,13 @@ impl SlotTable {
         records
     }
 
+    /// Slots taken, counted in place (status and metrics ask often).
+    pub fn count(&self) -> u64 {
+        (0..u64::from(self.slots))
+            .filter(|index| self.owner(self.slot(*index)).load(Ordering::Relaxed) != 0)
+            .count() as u64
+    }
+
     /// The slot the socket with this cookie owns.
     fn owned(&self, cookie: u64) -> Option<*mut SocketSlot> {
         (0..SOCKET_SLOT_PROBES)
@@ -171,6 +178,7 @@ mod tests {
         assert_eq!(table.get(30).map(|t| t.record.backend_id), Some(1));
         assert_eq!(table.get(46), None, "46 has slots 14 to 1, none its own");
         assert_eq!(table.records().len(), 3);
+        assert_eq!(table.count(), 3);
         assert!(table.forget(14));
         assert!(!table.forget(14), "a second forget finds nothing");
         assert_eq!(table.get(14), None);

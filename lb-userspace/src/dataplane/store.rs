@@ -257,14 +257,10 @@ impl BpfMaps {
         let _ = take(names::AYA_LOGS);
         // Pinned only while sockets of an upgraded install need it.
         let _ = take(names::SOCKETS);
-        let socket_slots = take(names::SOCKET_SLOTS)
-            .ok()
-            .and_then(|map| {
-                let data = map_data(&map)?;
-                let slots = data.info().ok()?.max_entries();
-                SlotTable::map(data.fd().as_fd(), slots).ok()
-            })
-            .map(Arc::new);
+        let socket_slots = match take(names::SOCKET_SLOTS) {
+            Ok(map) => Some(map_slots(&map)?),
+            Err(_) => None,
+        };
         let socket_table = take(names::SOCKET_TABLE)
             .ok()
             .and_then(|map| map.try_into().ok());
@@ -346,6 +342,17 @@ impl BpfMaps {
             .ok_or_else(|| StoreError::new(name, "not open"))?;
         sys::lookup_batch(fd, None, limit as usize).map_err(failed(name))
     }
+}
+
+/// Maps the array layout's socket table. Absent in the hash layout;
+/// present, it must be mapped: the sweep and status could not see its
+/// records otherwise.
+fn map_slots(map: &Map) -> Result<Arc<SlotTable>, StoreError> {
+    let name = names::SOCKET_SLOTS;
+    let data = map_data(map).ok_or_else(|| StoreError::new(name, "not a map"))?;
+    let slots = data.info().map_err(failed(name))?.max_entries();
+    let table = SlotTable::map(data.fd().as_fd(), slots).map_err(failed(name))?;
+    Ok(Arc::new(table))
 }
 
 fn per_cpu_zeros<T: aya::Pod + Default + Clone>(
@@ -629,10 +636,7 @@ impl MapStore for BpfMaps {
     fn socket_table(&self) -> Result<SocketTableUse, StoreError> {
         let info = self.socket_table_info()?;
         let hash = self.hash_table_info()?.max_entries;
-        let in_slots = self
-            .socket_slots
-            .as_ref()
-            .map_or(0, |slots| slots.records().len() as u64);
+        let in_slots = self.socket_slots.as_ref().map_or(0, |slots| slots.count());
         let in_hash = self
             .dump::<u64, TrackedSocket>(names::SOCKET_TABLE, hash)?
             .len() as u64;

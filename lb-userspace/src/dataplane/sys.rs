@@ -65,6 +65,59 @@ pub fn try_map_create() -> io::Result<()> {
     Ok(())
 }
 
+/// `bpf_attr` of BPF_PROG_LOAD, up to `prog_flags`.
+#[repr(C)]
+struct ProgLoadAttr {
+    prog_type: u32,
+    insn_cnt: u32,
+    insns: u64,
+    license: u64,
+    log_level: u32,
+    log_size: u32,
+    log_buf: u64,
+    kern_version: u32,
+    prog_flags: u32,
+}
+
+/// One BPF instruction: opcode, registers (dst in the low nibble), offset,
+/// immediate.
+const fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> u64 {
+    code as u64
+        | ((dst | src << 4) as u64) << 8
+        | (off as u16 as u64) << 16
+        | (imm as u32 as u64) << 32
+}
+
+/// Loads, then closes, a socket filter that compare-and-exchanges a word
+/// of its stack (BPF_CMPXCHG, Linux 5.12): whether the verifier and the
+/// JIT take the instruction the array layout of the socket table needs.
+pub fn compare_exchange_supported() -> bool {
+    const BPF_PROG_TYPE_SOCKET_FILTER: u32 = 1;
+    let program = [
+        insn(0xb7, 0, 0, 0, 0),      // r0 = 0
+        insn(0x7a, 10, 0, -8, 0),    // *(u64 *)(r10 - 8) = 0
+        insn(0xb7, 1, 0, 0, 1),      // r1 = 1
+        insn(0xdb, 10, 1, -8, 0xf1), // r0 = cmpxchg(r10 - 8, r0, r1)
+        insn(0xb7, 0, 0, 0, 0),      // r0 = 0
+        insn(0x95, 0, 0, 0, 0),      // exit
+    ];
+    let license = c"GPL";
+    let mut attr = ProgLoadAttr {
+        prog_type: BPF_PROG_TYPE_SOCKET_FILTER,
+        insn_cnt: program.len() as u32,
+        insns: program.as_ptr() as u64,
+        license: license.as_ptr() as u64,
+        log_level: 0,
+        log_size: 0,
+        log_buf: 0,
+        kern_version: 0,
+        prog_flags: 0,
+    };
+    bpf(bpf_cmd::BPF_PROG_LOAD, &mut attr)
+        .map(|fd| drop(owned_fd(fd)))
+        .is_ok()
+}
+
 fn owned_fd(raw: i64) -> OwnedFd {
     // SAFETY: the kernel returned a new descriptor that nothing else owns.
     unsafe { OwnedFd::from_raw_fd(raw as i32) }
@@ -387,4 +440,23 @@ pub fn prog_test_run(program: BorrowedFd<'_>, data: &[u8]) -> io::Result<u32> {
     };
     bpf(bpf_cmd::BPF_PROG_TEST_RUN, &mut attr)?;
     Ok(attr.retval)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::insn;
+
+    #[test]
+    fn instructions_encode_as_the_kernel_reads_them() {
+        // *(u64 *)(r10 - 8) = 0, and r0 = cmpxchg(r10 - 8, r0, r1): the
+        // bytes `llvm-objdump` shows for them.
+        assert_eq!(
+            insn(0x7a, 10, 0, -8, 0).to_le_bytes(),
+            [0x7a, 0x0a, 0xf8, 0xff, 0, 0, 0, 0]
+        );
+        assert_eq!(
+            insn(0xdb, 10, 1, -8, 0xf1).to_le_bytes(),
+            [0xdb, 0x1a, 0xf8, 0xff, 0xf1, 0, 0, 0]
+        );
+    }
 }

@@ -22,7 +22,9 @@
 //! - `hold`: keeps every connection open until killed, or until stdin
 //!   closes (then closes them all);
 //! - `getpeername`: asks getpeername once (as Go's net package does after
-//!   each connect), then closes with SO_LINGER 0.
+//!   each connect), then closes with SO_LINGER 0;
+//! - `vip-peer`: the same, and the connection counts as failed
+//!   (EDESTADDRREQ) unless getpeername showed the address it connected to.
 //!
 //! It prints one JSON line: `{"mode", "made", "failed", "errnos"}`, and for
 //! `hold` a line `{"held": N}` first, once all are open.
@@ -283,9 +285,12 @@ fn one(args: &Args) -> Result<(), i32> {
             linger_zero(stream.as_raw_fd());
             Ok(())
         }
-        "getpeername" => {
-            stream.peer_addr().map_err(|error| errno_of(&error))?;
+        "getpeername" | "vip-peer" => {
+            let peer = stream.peer_addr().map_err(|error| errno_of(&error))?;
             linger_zero(stream.as_raw_fd());
+            if args.behaviour == "vip-peer" && peer != args.addr {
+                return Err(libc::EDESTADDRREQ);
+            }
             Ok(())
         }
         "reset" => match stream.read_to_end(&mut Vec::new()) {

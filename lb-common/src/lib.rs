@@ -50,12 +50,13 @@ pub const DEFAULT_SOCKET_TABLE_SIZE: u32 = 65536;
 /// How many slots of `SOCKET_SLOTS` a socket may take: `cookie & mask` and
 /// the next ones. A socket whose slots are all taken goes to the hash.
 pub const SOCKET_SLOT_PROBES: u64 = 4;
-/// Slots of `SOCKET_SLOTS` for a `socket-table-size`: as many, rounded up
-/// to a power of two. The hash beside it holds `socket-table-size`
-/// records too, so that many sockets are always tracked, wherever their
-/// cookies fall.
+/// Slots of `SOCKET_SLOTS` for a `socket-table-size`: half as many,
+/// rounded up to a power of two (2 MiB at the default: the daemon's whole
+/// memory, maps included, must fit 48 MiB). The hash beside it holds
+/// `socket-table-size` records, so that many sockets are always tracked,
+/// wherever their cookies fall.
 pub const fn socket_slots_for(size: u32) -> u32 {
-    size.next_power_of_two()
+    (size / 2).next_power_of_two()
 }
 /// The smallest and largest `socket-table-size` accepted.
 pub const MIN_SOCKET_TABLE_SIZE: u32 = 1024;

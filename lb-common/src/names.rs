@@ -22,7 +22,7 @@ pub const SLOTS: &str = "lb_slots_v1";
 /// before an upgrade.
 pub const SOCKET_TABLE: &str = "lb_socktab_v1";
 /// The array layout's socket table (Linux 5.12 and later, for
-/// BPF_CMPXCHG): slots claimed by socket cookie (`SocketSlot`),
+/// BPF_CMPXCHG): slots claimed by socket cookie (`SocketSlot`), half of
 /// `socket-table-size` rounded up to a power of two. Pinned beside
 /// `SOCKET_TABLE`, not in `MAPS`: a kernel before 5.12 has none.
 pub const SOCKET_SLOTS: &str = "lb_socktab_v2";

@@ -10,11 +10,11 @@
 //! by cookie (`lb_socktab_v1`) for the sockets whose few slots are taken;
 //! on older kernels the hash alone (this crate built without the `slots`
 //! feature; the loader picks the object). Nothing is allocated on connect,
-//! and no local user can grow the memory behind it. connect4/6 file the record and
-//! ask for the socket's sock_ops callbacks; sock_ops takes the record away
-//! when the socket reaches TCP_CLOSE, and cgroup/sock_release takes it
-//! away for a socket that never got that far (a connect that failed before
-//! its SYN). A connect to a port no VIP uses costs connect4/6 one array
+//! and no local user can grow the memory behind it. connect4/6 file the
+//! record and ask for the socket's sock_ops callbacks; sock_ops takes the
+//! record away when the socket reaches TCP_CLOSE, and cgroup/sock_release
+//! takes it away for a socket that never got that far (a connect that
+//! failed before its SYN). A connect to a port no VIP uses costs connect4/6 one array
 //! read (`lb_vports_v1`); every other socket of the cgroup costs sock_ops
 //! one look at the operation, and sock_release one at the socket's state.
 //!

@@ -50,7 +50,7 @@ pub static SOCKET_TABLE: HashMap<u64, TrackedSocket, { DEFAULT_SOCKET_TABLE_SIZE
 /// and its record), Linux 5.12 and later: a connect claims a slot with a
 /// compare-and-exchange of its cookie and allocates nothing; lookups are
 /// inlined array reads, with no helper call and no bucket lock. The loader
-/// sizes it (`socket-table-size` rounded up to a power of two) and sets
+/// sizes it (half of `socket-table-size`, rounded up to a power of two) and sets
 /// `SOCKLB_SLOT_MASK`. Mapped by the daemon (`BPF_F_MMAPABLE`), whose
 /// sweep frees slots with the same compare-and-exchange. With this layout
 /// `SOCKET_TABLE` holds the sockets whose slots were all taken, and those

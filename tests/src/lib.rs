@@ -1413,6 +1413,17 @@ impl Drop for ConnClient {
     }
 }
 
+/// The records in the socket table's hash of the install pinned at
+/// `pin_path`, read through its pin: in the array layout, the sockets that
+/// found their slots taken, and those an install of the hash layout filed.
+pub fn records_in_hash(pin_path: &Path) -> usize {
+    let name = lb_common::names::SOCKET_TABLE;
+    let map = aya::maps::MapData::from_pin(pin_path.join(name)).expect("the hash");
+    let hash: aya::maps::HashMap<_, u64, lb_common::TrackedSocket> =
+        aya::maps::Map::HashMap(map).try_into().expect("a hash map");
+    hash.keys().count()
+}
+
 /// A `holdserver` process: a backend that accepts and keeps thousands of
 /// connections. Killed (by its PID) on drop.
 pub struct HoldServer {

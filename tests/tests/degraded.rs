@@ -36,6 +36,43 @@ fn without(
     daemon
 }
 
+/// Connects through the VIP, then holds 20 connections: getpeername shows
+/// each the VIP, the daemon counts them live and tracked, and once they
+/// and the backend's side close, every count and the socket table are
+/// back to 0.
+fn redirects_and_counts(daemon: &mut Daemon, cgroup: &Cgroup, vip: SocketAddr, backend: Backend) {
+    let attempts = ClientRun::new(vip, Some(&cgroup.path), 3).run();
+    assert!(
+        attempts
+            .iter()
+            .all(|attempt| attempt.peer.as_deref() == Some(vip.to_string().as_str())),
+        "getpeername shows the VIP: {attempts:?}"
+    );
+    let mut held = ConnClient::hold_until_released(vip, &cgroup.path, 20, Duration::from_secs(30));
+    let addr = backend.addr.to_string();
+    daemon.wait_for("20 live and tracked", Duration::from_secs(5), |status| {
+        backend_field(status, &addr, "live") == Some(serde_json::json!(20))
+            && status["data_plane"]["socket_table"]["tracked"] == 20
+    });
+    held.release();
+    let ends = held.finish();
+    assert!(
+        ends.iter().all(|end| end["peer"] == vip.to_string()),
+        "getpeername showed the VIP on every held connection: {ends:?}"
+    );
+    // The server closes its side too: a closed client socket of a held
+    // connection can otherwise wait out FIN_WAIT2 (60 s), counted live.
+    drop(backend);
+    daemon.wait_for(
+        "0 live, the table empty",
+        Duration::from_secs(5),
+        |status| {
+            backend_field(status, &addr, "live") == Some(serde_json::json!(0))
+                && status["data_plane"]["socket_table"]["tracked"] == 0
+        },
+    );
+}
+
 #[test]
 fn without_set_retval_reject_refuses_with_eperm() {
     require_root!();
@@ -92,26 +129,7 @@ fn without_callbacks_at_connect_sock_ops_finds_the_redirected_sockets_and_counts
         "sock_ops looks every connecting socket of the cgroup up",
         Duration::from_secs(1)
     ));
-    let attempts = ClientRun::new(vip, Some(&cgroup.path), 3).run();
-    assert!(
-        attempts
-            .iter()
-            .all(|attempt| attempt.peer.as_deref() == Some(vip.to_string().as_str())),
-        "getpeername shows the VIP: {attempts:?}"
-    );
-    let mut held = ConnClient::hold_until_released(vip, &cgroup.path, 20, Duration::from_secs(30));
-    let addr = backend.addr.to_string();
-    daemon.wait_for("20 live", Duration::from_secs(5), |status| {
-        backend_field(status, &addr, "live") == Some(serde_json::json!(20))
-    });
-    held.release();
-    held.finish();
-    // The server closes its side too: a closed client socket of a held
-    // connection can otherwise wait out FIN_WAIT2 (60 s), counted live.
-    drop(backend);
-    daemon.wait_for("0 live", Duration::from_secs(5), |status| {
-        backend_field(status, &addr, "live") == Some(serde_json::json!(0))
-    });
+    redirects_and_counts(&mut daemon, &cgroup, vip, backend);
 }
 
 #[test]
@@ -137,31 +155,7 @@ fn without_socket_slots_the_hash_holds_every_record_and_counts_exactly() {
         !paths.map(lb_common::names::SOCKET_SLOTS).exists(),
         "no array pinned"
     );
-    let attempts = ClientRun::new(vip, Some(&cgroup.path), 3).run();
-    assert!(
-        attempts
-            .iter()
-            .all(|attempt| attempt.peer.as_deref() == Some(vip.to_string().as_str())),
-        "getpeername shows the VIP: {attempts:?}"
-    );
-    let mut held = ConnClient::hold_until_released(vip, &cgroup.path, 20, Duration::from_secs(30));
-    let addr = backend.addr.to_string();
-    daemon.wait_for("20 live and tracked", Duration::from_secs(5), |status| {
-        backend_field(status, &addr, "live") == Some(serde_json::json!(20))
-            && status["data_plane"]["socket_table"]["tracked"] == 20
-    });
-    held.release();
-    let ends = held.finish();
-    assert!(
-        ends.iter().all(|end| end["peer"] == vip.to_string()),
-        "getpeername showed the VIP on every held connection: {ends:?}"
-    );
-    // The server closes its side too (see the test above).
-    drop(backend);
-    daemon.wait_for("0 live, the hash empty", Duration::from_secs(5), |status| {
-        backend_field(status, &addr, "live") == Some(serde_json::json!(0))
-            && status["data_plane"]["socket_table"]["tracked"] == 0
-    });
+    redirects_and_counts(&mut daemon, &cgroup, vip, backend);
 }
 
 #[test]

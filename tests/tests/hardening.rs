@@ -1029,43 +1029,10 @@ fn the_close_step_costs_little_beside_48000_unrelated_sockets() {
 /// instructions: r0 = 1; exit), so that this test can make links without
 /// an object file.
 fn allow_all_program() -> std::os::fd::OwnedFd {
-    #[repr(C)]
-    struct ProgLoad {
-        prog_type: u32,
-        insn_cnt: u32,
-        insns: u64,
-        license: u64,
-        log_level: u32,
-        log_size: u32,
-        log_buf: u64,
-        kern_version: u32,
-        prog_flags: u32,
-        prog_name: [u8; 16],
-        prog_ifindex: u32,
-        expected_attach_type: u32,
-        rest: [u8; 56],
-    }
-    // BPF_MOV64_IMM(R0, 1), BPF_EXIT.
-    let insns: [u64; 2] = [u64::from_le_bytes([0xb7, 0, 0, 0, 1, 0, 0, 0]), 0x95];
-    let license = c"GPL";
-    let attr = ProgLoad {
-        prog_type: 8, // BPF_PROG_TYPE_CGROUP_SKB
-        insn_cnt: 2,
-        insns: insns.as_ptr() as u64,
-        license: license.as_ptr() as u64,
-        log_level: 0,
-        log_size: 0,
-        log_buf: 0,
-        kern_version: 0,
-        prog_flags: 0,
-        prog_name: *b"socklb_t_churn\0\0",
-        prog_ifindex: 0,
-        expected_attach_type: 1, // BPF_CGROUP_INET_EGRESS
-        rest: [0; 56],
-    };
-    // SAFETY: BPF_PROG_LOAD reads `attr` and the arrays it points to,
-    // which outlive the call.
-    unsafe { bpf_new_fd(5, &attr, "loading a cgroup_skb program") }
+    use socklb::dataplane::sys::{insn, load_program};
+    // BPF_PROG_TYPE_CGROUP_SKB, BPF_CGROUP_INET_EGRESS.
+    load_program(8, 1, &[insn(0xb7, 0, 0, 0, 1), insn(0x95, 0, 0, 0, 0)])
+        .expect("loading a cgroup_skb program")
 }
 
 /// bpf(2) with a command that returns a new descriptor (5 BPF_PROG_LOAD,

@@ -289,14 +289,6 @@ fn an_install_of_the_socket_storage_layout_is_upgraded_in_place_with_exact_count
     );
 }
 
-/// The records in the hash of the held connections, read through its pin.
-fn records_in_hash(pin_path: &std::path::Path) -> usize {
-    let map = aya::maps::MapData::from_pin(pin_path.join(names::SOCKET_TABLE)).expect("the hash");
-    let hash: aya::maps::HashMap<_, u64, lb_common::TrackedSocket> =
-        aya::maps::Map::HashMap(map).try_into().expect("a hash map");
-    hash.keys().count()
-}
-
 #[test]
 fn an_install_of_the_hash_layout_is_upgraded_to_the_array_with_exact_counts() {
     require_root!();
@@ -312,7 +304,7 @@ fn an_install_of_the_hash_layout_is_upgraded_to_the_array_with_exact_counts() {
     );
     // The 30 held connections' records stay in the hash, where the new
     // programs find them; every connect since went to the array.
-    let in_hash = records_in_hash(&upgraded.pin_path);
+    let in_hash = socklb_tests::records_in_hash(&upgraded.pin_path);
     let addrs = upgraded.addrs.clone();
     let live = |status: &serde_json::Value| -> i64 {
         addrs
@@ -326,7 +318,7 @@ fn an_install_of_the_hash_layout_is_upgraded_to_the_array_with_exact_counts() {
         "the held connections' records are in the hash ({in_hash}): {status}"
     );
     assert_eq!(
-        status["data_plane"]["socket_table"]["slots"], 65536,
+        status["data_plane"]["socket_table"]["slots"], 32768,
         "{status}"
     );
     upgraded.daemon.wait_for(
@@ -340,7 +332,11 @@ fn an_install_of_the_hash_layout_is_upgraded_to_the_array_with_exact_counts() {
     let counts = spread(&upgraded.attempts);
     let failed = counts.get("error").copied().unwrap_or(0);
     let (shown_vip, held) = finish(&mut upgraded);
-    assert_eq!(records_in_hash(&upgraded.pin_path), 0, "the hash is empty");
+    assert_eq!(
+        socklb_tests::records_in_hash(&upgraded.pin_path),
+        0,
+        "the hash is empty"
+    );
     // The array layout cannot go back: the hash layout's programs would
     // not find the records the array holds.
     let args = service_args(&upgraded.cgroup.path, &[upgraded.vip], &upgraded.addrs, &[]);

@@ -219,6 +219,10 @@ pub fn load(paths: &PinPaths, options: LoadOptions<'_>) -> Result<Loaded, Kernel
             });
         }
     }
+    // The loader parses the object again: one parsed copy at a time keeps
+    // the start's peak of memory down (it counts against the daemon's
+    // memory limit, beside the maps).
+    drop(object);
     let pinned: Vec<&'static str> = shared
         .iter()
         .copied()

@@ -65,8 +65,9 @@ pub fn try_map_create() -> io::Result<()> {
     Ok(())
 }
 
-/// `bpf_attr` of BPF_PROG_LOAD, up to `prog_flags`.
+/// `bpf_attr` of BPF_PROG_LOAD, up to `expected_attach_type`.
 #[repr(C)]
+#[derive(Default)]
 struct ProgLoadAttr {
     prog_type: u32,
     insn_cnt: u32,
@@ -77,11 +78,33 @@ struct ProgLoadAttr {
     log_buf: u64,
     kern_version: u32,
     prog_flags: u32,
+    prog_name: [u8; 16],
+    prog_ifindex: u32,
+    expected_attach_type: u32,
+}
+
+/// Loads a program from raw instructions (`insn`), GPL, without a name:
+/// for probes and tests that need no object file.
+pub fn load_program(
+    prog_type: u32,
+    expected_attach_type: u32,
+    program: &[u64],
+) -> io::Result<OwnedFd> {
+    let license = c"GPL";
+    let mut attr = ProgLoadAttr {
+        prog_type,
+        insn_cnt: program.len() as u32,
+        insns: program.as_ptr() as u64,
+        license: license.as_ptr() as u64,
+        expected_attach_type,
+        ..ProgLoadAttr::default()
+    };
+    bpf(bpf_cmd::BPF_PROG_LOAD, &mut attr).map(owned_fd)
 }
 
 /// One BPF instruction: opcode, registers (dst in the low nibble), offset,
 /// immediate.
-const fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> u64 {
+pub const fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> u64 {
     code as u64
         | ((dst | src << 4) as u64) << 8
         | (off as u16 as u64) << 16
@@ -101,21 +124,7 @@ pub fn compare_exchange_supported() -> bool {
         insn(0xb7, 0, 0, 0, 0),      // r0 = 0
         insn(0x95, 0, 0, 0, 0),      // exit
     ];
-    let license = c"GPL";
-    let mut attr = ProgLoadAttr {
-        prog_type: BPF_PROG_TYPE_SOCKET_FILTER,
-        insn_cnt: program.len() as u32,
-        insns: program.as_ptr() as u64,
-        license: license.as_ptr() as u64,
-        log_level: 0,
-        log_size: 0,
-        log_buf: 0,
-        kern_version: 0,
-        prog_flags: 0,
-    };
-    bpf(bpf_cmd::BPF_PROG_LOAD, &mut attr)
-        .map(|fd| drop(owned_fd(fd)))
-        .is_ok()
+    load_program(BPF_PROG_TYPE_SOCKET_FILTER, 0, &program).is_ok()
 }
 
 fn owned_fd(raw: i64) -> OwnedFd {

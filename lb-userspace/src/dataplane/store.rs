@@ -170,10 +170,11 @@ pub struct BpfMaps {
     /// The socket table of the array layout, mapped (shared with the
     /// sweeps, which run on other threads).
     socket_slots: Option<Arc<SlotTable>>,
-    /// The socket table of the hash layout (on an install of the array
-    /// layout, only while an upgrade left records there), its counter,
-    /// and the heartbeat the connect programs read (absent in an install
-    /// of an older socklb, which `status` may read).
+    /// The socket table's hash (the whole table in the hash layout; in the
+    /// array layout, the sockets that found their slots taken and those
+    /// an upgrade left there), its counter, and the heartbeat the connect
+    /// programs read (absent in an install of an older socklb, which
+    /// `status` may read).
     socket_table: Option<BpfHashMap<MapData, u64, TrackedSocket>>,
     socket_table_stats: Option<PerCpuArray<MapData, SocketTableStats>>,
     liveness: Option<Array<MapData, Liveness>>,

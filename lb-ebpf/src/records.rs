@@ -106,7 +106,7 @@ pub fn forget(cookie: u64, origin: u32) -> bool {
 #[inline(always)]
 pub fn file(cookie: u64, tracked: &TrackedSocket, filed_before: bool) -> Option<u32> {
     #[cfg(feature = "slots")]
-    if slots::file(cookie, tracked) {
+    if slots::file(cookie, tracked, filed_before) {
         if filed_before {
             let _ = SOCKET_TABLE.remove(cookie);
         }
@@ -180,12 +180,13 @@ mod slots {
     }
 
     /// Claims a free slot for the socket and writes the record into it.
-    /// A socket connecting again gives its old slot back first: a record
-    /// is only ever written into a slot this call claimed, never into one
-    /// the daemon's sweep may have freed meanwhile.
+    /// A socket connecting again (`filed_before`) gives its old slot back
+    /// first: a record is only ever written into a slot this call claimed,
+    /// never into one the daemon's sweep may have freed meanwhile. A
+    /// socket never filed owns no slot, and skips the look.
     #[inline(always)]
-    pub fn file(cookie: u64, tracked: &TrackedSocket) -> bool {
-        if let Some(old) = owned(cookie) {
+    pub fn file(cookie: u64, tracked: &TrackedSocket, filed_before: bool) -> bool {
+        if filed_before && let Some(old) = owned(cookie) {
             let _ = swap_owner(old, cookie, 0);
         }
         let mut claimed = None;

@@ -240,9 +240,23 @@ fn accept_loops_pause_on_emfile_instead_of_spinning() {
         cpu * 100.0
     );
 
+    // The verification pass of each heartbeat could not open the pins: it
+    // says so once and leaves them, rather than taking them for removed
+    // and pinning over them (which left readers a moment with no pin).
+    assert!(
+        daemon.log_shows("could not check socklb's pins", LIMIT),
+        "{}",
+        daemon.log()
+    );
+    assert_eq!(daemon.log_count("could not check socklb's pins"), 1);
+    for false_repair in ["was removed or replaced", "link was removed"] {
+        assert_eq!(daemon.log_count(false_repair), 0, "{}", daemon.log());
+    }
+
     // Descriptors again: the waiting connections are served.
     set_soft_nofile(pid, old.rlim_cur);
     assert!(daemon.log_shows("metrics: accepting connections again", LIMIT));
+    assert!(daemon.log_shows("socklb's pins can be checked again", LIMIT));
     let scrape = timed_scrape(metrics, LIMIT);
     assert!(scrape.is_ok(), "{scrape:?}");
     assert_eq!(

@@ -21,6 +21,8 @@ use crate::{
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Unrepairable {
     MapPin(&'static str),
+    /// The daemon could not open its pins (out of descriptors or memory).
+    PinsUnchecked,
     CgroupGone,
     SkMsg,
     ReadMaps,
@@ -54,11 +56,26 @@ impl Verifier {
     }
 
     fn map_pins(&mut self, paths: &PinPaths, running: &mut Running, done: &mut Vec<usize>) {
-        let missing = install::missing_map_pins(paths, &running.maps, &running.pinned);
+        let install::MapPinCheck { missing, unchecked } =
+            install::check_map_pins(paths, &running.maps, &running.pinned);
         self.unrepairable.retain(|kind, _| match kind {
             Unrepairable::MapPin(name) => missing.contains(name),
             _ => true,
         });
+        match unchecked.first() {
+            Some((name, error)) => self.say_once(
+                Unrepairable::PinsUnchecked,
+                format!(
+                    "could not check socklb's pins ({}: {error}); left them as they are until they can be read",
+                    paths.map(name).display()
+                ),
+            ),
+            None => {
+                if self.forget(Unrepairable::PinsUnchecked) {
+                    warn!("socklb's pins can be checked again");
+                }
+            }
+        }
         for name in missing {
             let path = paths.map(name);
             match install::repin_map(paths, &running.maps, name) {

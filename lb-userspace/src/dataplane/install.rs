@@ -208,36 +208,53 @@ fn take_map(ebpf: &mut Ebpf, name: &'static str) -> Result<Map, StoreError> {
         .ok_or_else(|| StoreError::new(name, "not in the eBPF object"))
 }
 
-/// Map pins that are missing or hold another map, among `pinned`, for the
-/// daemon to pin again from its own descriptors.
-pub fn missing_map_pins(
-    paths: &PinPaths,
-    maps: &BpfMaps,
-    pinned: &[&'static str],
-) -> Vec<&'static str> {
-    pinned
-        .iter()
-        .copied()
-        .filter(|name| {
-            let Some(ours) = maps.fd(name).and_then(|fd| sys::map_id(fd).ok()) else {
-                return false;
-            };
-            let pinned = sys::open_pinned(&paths.map(name))
-                .and_then(|fd| sys::map_id(fd.as_fd()))
-                .ok();
-            pinned != Some(ours)
-        })
-        .collect()
+/// What one look at the map pins found.
+#[derive(Debug, Default)]
+pub struct MapPinCheck {
+    /// Pins missing or holding another map, for the daemon to pin again
+    /// from its own descriptors.
+    pub missing: Vec<&'static str>,
+    /// Pins that could not be opened because the daemon is out of
+    /// descriptors or memory: not checked this time, and left as they are.
+    pub unchecked: Vec<(&'static str, std::io::Error)>,
+}
+
+/// Compares the pins of `pinned` with the maps the daemon holds.
+pub fn check_map_pins(paths: &PinPaths, maps: &BpfMaps, pinned: &[&'static str]) -> MapPinCheck {
+    let mut check = MapPinCheck::default();
+    for &name in pinned {
+        let Some(ours) = maps.fd(name).and_then(|fd| sys::map_id(fd).ok()) else {
+            continue;
+        };
+        match sys::open_pinned(&paths.map(name)) {
+            Err(error) if sys::out_of_resources(&error) => check.unchecked.push((name, error)),
+            Err(_) => check.missing.push(name),
+            Ok(fd) => match sys::map_id(fd.as_fd()) {
+                Err(error) if sys::out_of_resources(&error) => {
+                    check.unchecked.push((name, error));
+                }
+                Ok(id) if id == ours => {}
+                _ => check.missing.push(name),
+            },
+        }
+    }
+    check
 }
 
 /// Pins a map again from the daemon's descriptor (after someone removed
-/// its pin, or the whole directory).
+/// its pin, or the whole directory), replacing what is there in one rename
+/// so that a reader never finds the path empty.
 pub fn repin_map(paths: &PinPaths, maps: &BpfMaps, name: &'static str) -> Result<(), KernelError> {
     super::pins::prepare_pin_dir(paths)?;
-    let path = paths.map(name);
     let fd = maps.fd(name).ok_or(KernelError::MissingMap(name))?;
-    let _ = std::fs::remove_file(&path);
-    sys::pin(fd, &path).map_err(|source| KernelError::Io { path, source })
+    let staging = paths.staging(name);
+    let _ = std::fs::remove_file(&staging);
+    sys::pin(fd, &staging).map_err(|source| KernelError::Io {
+        path: staging.clone(),
+        source,
+    })?;
+    let path = paths.map(name);
+    std::fs::rename(&staging, &path).map_err(|source| KernelError::Io { path, source })
 }
 
 /// What [`remove_pins`] did.

@@ -151,7 +151,11 @@ pub fn check_links(
     names::PROGRAMS
         .into_iter()
         .filter_map(|program| {
-            let pinned = pinned_link(&paths.link(program));
+            // A pin the daemon could not open for want of descriptors is
+            // left as it is: taking it for missing would pin over it.
+            let read = read_pinned_link(&paths.link(program));
+            let looked = read.is_ok();
+            let pinned = read.ok().flatten();
             let (fd, held) = match (&source, &pinned) {
                 (LinkSource::Held(links), _) => (links.get(program)?.as_fd(), true),
                 (LinkSource::Pins, Some((fd, _))) => (fd.as_fd(), false),
@@ -159,7 +163,8 @@ pub fn check_links(
             };
             let problem = link_problem(program, fd, cgroup_id, cgroup_file.as_ref());
             problem.or_else(|| {
-                held.then(|| pin_problem(program, fd, pinned.as_ref()))
+                (held && looked)
+                    .then(|| pin_problem(program, fd, pinned.as_ref()))
                     .flatten()
             })
         })
@@ -217,9 +222,27 @@ pub struct Attachment {
 
 /// What a pinned link says of itself.
 fn pinned_link(path: &Path) -> Option<(std::os::fd::OwnedFd, sys::LinkInfo)> {
-    let fd = sys::open_pinned(path).ok()?;
-    let info = sys::link_info(fd.as_fd()).ok()?;
-    Some((fd, info))
+    read_pinned_link(path).ok().flatten()
+}
+
+/// The link pinned at `path`; `None` when there is none, an error when the
+/// daemon is out of descriptors or memory and could not look.
+fn read_pinned_link(path: &Path) -> std::io::Result<Option<(std::os::fd::OwnedFd, sys::LinkInfo)>> {
+    let checked = |error: std::io::Error| {
+        if sys::out_of_resources(&error) {
+            Err(error)
+        } else {
+            Ok(None)
+        }
+    };
+    let fd = match sys::open_pinned(path) {
+        Ok(fd) => fd,
+        Err(error) => return checked(error),
+    };
+    match sys::link_info(fd.as_fd()) {
+        Ok(info) => Ok(Some((fd, info))),
+        Err(error) => checked(error),
+    }
 }
 
 /// Pins the link behind `fd` at its path, replacing what is there in one

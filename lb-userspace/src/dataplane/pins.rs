@@ -48,7 +48,12 @@ impl PinPaths {
     /// Where a new link is pinned before it is renamed over the old pin, so
     /// that the pin path never stands empty. (bpffs refuses dots in names.)
     pub fn link_staging(&self, program: &str) -> PathBuf {
-        self.dir.join(format!("new_link_{program}"))
+        self.staging(&link_file_name(program))
+    }
+
+    /// Where a pin named `name` is made before it is renamed into place.
+    pub fn staging(&self, name: &str) -> PathBuf {
+        self.dir.join(format!("new_{name}"))
     }
 
     /// Whether the install here keeps the array layout's socket table: a
@@ -87,10 +92,10 @@ impl PinPaths {
             .iter()
             .rev()
             .map(|program| self.link(program));
-        let maps = names::MAPS
-            .iter()
-            .chain([&names::SOCKET_SLOTS])
-            .map(|name| self.map(name));
+        let map_names = || names::MAPS.iter().chain([&names::SOCKET_SLOTS]);
+        let maps = map_names().map(|name| self.map(name));
+        // A map pinned again by a daemon killed before the rename.
+        let map_staging = map_names().map(|name| self.staging(name));
         // Maps of the first layout, which an upgrade cut short may leave.
         let legacy = lb_common::names::v0::MAPS
             .iter()
@@ -104,6 +109,7 @@ impl PinPaths {
                 self.map(lb_common::names::SOCKETS),
             ])
             .chain(legacy)
+            .chain(map_staging)
             .collect()
     }
 

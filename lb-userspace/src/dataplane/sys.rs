@@ -332,6 +332,19 @@ pub fn open_pinned(path: &std::path::Path) -> io::Result<OwnedFd> {
     bpf(bpf_cmd::BPF_OBJ_GET, &mut attr).map(owned_fd)
 }
 
+/// Whether `error` says this process ran out of something (descriptors,
+/// memory) rather than anything about the object it asked for: a pin that
+/// cannot be opened for such a reason was not checked, and is neither
+/// missing nor replaced.
+pub fn out_of_resources(error: &io::Error) -> bool {
+    matches!(
+        error.raw_os_error(),
+        Some(
+            libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::ENOBUFS | libc::EINTR | libc::EAGAIN
+        )
+    )
+}
+
 /// The head of `struct bpf_map_info`.
 #[repr(C)]
 #[derive(Default)]

@@ -545,6 +545,82 @@ fn a_close_no_program_saw_is_swept_soon_after_the_link_is_repaired() {
     ));
 }
 
+/// An uninstall cut short (or an older socklb's, which does not know the
+/// array) can leave the socket table pinned without `lb_conns_v1`. The
+/// next start makes a new table rather than adopt one whose records count
+/// in counts that are gone: adopted, each of their ends would take one off
+/// a count made afresh.
+#[test]
+fn a_socket_table_left_without_its_counts_is_not_adopted() {
+    require_root!();
+    const BEFORE: u32 = 100;
+    const AFTER: u32 = 10;
+    let cgroup = Cgroup::new("orphan");
+    let server = EndServer::start("127.0.0.7", "hold");
+    let vip = vip();
+    let config = service("hold", vip, server.addr, false);
+    let (_dir, mut daemon) = start_with_config("orphan", &config, &cgroup.path);
+    daemon.wait_for("the daemon runs", Duration::from_secs(10), |status| {
+        status["daemon"]["running"] == true
+    });
+    let (mut before, held) = Holder::open(vip, &cgroup.path, BEFORE, &[]);
+    assert_eq!(held, u64::from(BEFORE), "every connection opened");
+    daemon.wait_for("every connection live", Duration::from_secs(30), |status| {
+        backend_count(status, server.addr, "live") == i64::from(BEFORE)
+            && table_field(status, "tracked") == u64::from(BEFORE)
+    });
+
+    daemon.kill();
+    let pins = PinPaths::new(&daemon.pin_path);
+    std::fs::remove_file(pins.map(names::BACKEND_CONNS)).expect("unpinning the live counts");
+    daemon.restart();
+    let said = format!("was pinned without {}", names::BACKEND_CONNS);
+    assert!(
+        daemon.log_shows(&said, Duration::from_secs(10)),
+        "{}",
+        daemon.log()
+    );
+    daemon.wait_for("the daemon runs again", Duration::from_secs(10), |status| {
+        status["daemon"]["running"] == true
+    });
+    let status = daemon.status().expect("status");
+    assert_eq!(
+        (
+            backend_count(&status, server.addr, "live"),
+            table_field(&status, "tracked")
+        ),
+        (0, 0),
+        "a new table and new counts: {status}"
+    );
+
+    // Connections made after the restart count in the new table; the old
+    // ones end without touching the new counts.
+    let (mut after, held) = Holder::open(vip, &cgroup.path, AFTER, &[]);
+    assert_eq!(held, u64::from(AFTER), "every connection opened");
+    daemon.wait_for(
+        "the new connections live",
+        Duration::from_secs(30),
+        |status| {
+            backend_count(status, server.addr, "live") == i64::from(AFTER)
+                && table_field(status, "tracked") == u64::from(AFTER)
+        },
+    );
+    before.kill();
+    time_until(
+        "the connections from before the restart closed",
+        Duration::from_secs(30),
+        || open_sockets_to(server.addr) == AFTER as usize,
+    );
+    let status = daemon.status().expect("status");
+    assert_eq!(
+        backend_count(&status, server.addr, "live"),
+        i64::from(AFTER),
+        "the old connections' ends took nothing off the new counts: {status}"
+    );
+    after.kill();
+    until_all_ended(&mut daemon, "after a table left without its counts");
+}
+
 #[test]
 fn sockets_that_find_their_slots_taken_go_to_the_hash_and_every_count_stays_exact() {
     require_root!();

@@ -158,6 +158,30 @@ fn socket_table_entries(
     (entries, note)
 }
 
+/// Unpins a socket table pinned without the live counts its records count
+/// in (`lb_conns_v1`): left by an uninstall cut short, or by the uninstall
+/// of an older socklb that did not know the array. Its records belong to
+/// counts that are gone; adopted, the end of each would take one off a
+/// count made afresh. The load then makes a new, empty table. Returns a
+/// note for each.
+fn unpin_orphaned_socket_tables(paths: &PinPaths) -> Vec<String> {
+    if paths.map(names::BACKEND_CONNS).exists() {
+        return Vec::new();
+    }
+    [names::SOCKET_TABLE, names::SOCKET_SLOTS]
+        .into_iter()
+        .map(|name| paths.map(name))
+        .filter(|path| std::fs::remove_file(path).is_ok())
+        .map(|path| {
+            format!(
+                "{} was pinned without {}, whose live counts its records count in (left by an uninstall cut short, or an older socklb's): unpinned it, and made a new one",
+                path.display(),
+                names::BACKEND_CONNS
+            )
+        })
+        .collect()
+}
+
 /// Refuses the hash layout over an install of the array layout: its
 /// programs would not find the records of the sockets the array holds.
 fn check_layout(paths: &PinPaths, slots: bool) -> Result<(), KernelError> {
@@ -206,6 +230,7 @@ pub fn load(paths: &PinPaths, options: LoadOptions<'_>) -> Result<Loaded, Kernel
     if bytes.is_empty() {
         return Err(KernelError::NoObject);
     }
+    let orphans = unpin_orphaned_socket_tables(paths);
     check_layout(paths, slots)?;
     let object = aya_obj::Object::parse(bytes).map_err(|error| KernelError::Object {
         problem: error.to_string(),
@@ -276,7 +301,7 @@ pub fn load(paths: &PinPaths, options: LoadOptions<'_>) -> Result<Loaded, Kernel
         ebpf,
         unpinned,
         socket_table_size: entries,
-        notes: note.into_iter().chain(slot_note).collect(),
+        notes: orphans.into_iter().chain(note).chain(slot_note).collect(),
     })
 }
 

@@ -92,23 +92,38 @@ impl PinPaths {
             .iter()
             .rev()
             .map(|program| self.link(program));
-        let map_names = || names::MAPS.iter().chain([&names::SOCKET_SLOTS]);
-        let maps = map_names().map(|name| self.map(name));
-        // A map pinned again by a daemon killed before the rename.
-        let map_staging = map_names().map(|name| self.staging(name));
+        // The live counts go just before the socket table whose records
+        // count in them, the array right after the hash: a table left
+        // without its counts by an uninstall cut short is unpinned by the
+        // next start, where counts left without their table would be
+        // adopted.
+        let own = names::MAPS
+            .iter()
+            .copied()
+            .filter(|name| *name != names::BACKEND_CONNS)
+            .flat_map(|name| {
+                let table = name == names::SOCKET_TABLE;
+                table
+                    .then_some(names::BACKEND_CONNS)
+                    .into_iter()
+                    .chain([name])
+                    .chain(table.then_some(names::SOCKET_SLOTS))
+            });
         // Maps of the first layout, which an upgrade cut short may leave.
         let legacy = lb_common::names::v0::MAPS
             .iter()
-            .map(|name| self.map(name))
-            .filter(|path| !path.ends_with(lb_common::names::LEGACY_REDIRECTS));
+            .copied()
+            .filter(|name| *name != names::LEGACY_REDIRECTS);
+        let map_names: Vec<&str> = own
+            .chain([names::LEGACY_REDIRECTS, names::SOCKETS])
+            .chain(legacy)
+            .collect();
+        let maps = map_names.iter().map(|name| self.map(name));
+        // A map pinned again by a daemon killed before the rename.
+        let map_staging = map_names.iter().map(|name| self.staging(name));
         staging
             .chain(links)
             .chain(maps)
-            .chain([
-                self.map(lb_common::names::LEGACY_REDIRECTS),
-                self.map(lb_common::names::SOCKETS),
-            ])
-            .chain(legacy)
             .chain(map_staging)
             .collect()
     }

@@ -237,8 +237,11 @@ impl Sweeper {
         };
         for (cookie, tracked) in plan.forget {
             // Only the remover counts: a kernel program may have taken the
-            // record in the meantime, and counted its end itself.
-            if !maps.forget_socket(cookie)? {
+            // record in the meantime, and counted its end itself. A record
+            // that changed since the pass read it (its socket connected
+            // again, and may be live now) stays: the count is decided on
+            // the record removed, never on a stale copy.
+            if !maps.forget_socket(cookie, &tracked)? {
                 continue;
             }
             swept.forgotten += 1;

@@ -104,8 +104,10 @@ pub trait MapStore {
     /// Every record of the socket table, with its socket cookie.
     fn tracked_sockets(&self) -> Result<Vec<(u64, TrackedSocket)>, StoreError>;
     /// Removes one record of the socket table (the sweep's, for a socket
-    /// that is gone). True if it was there.
-    fn forget_socket(&mut self, cookie: u64) -> Result<bool, StoreError>;
+    /// that is gone) if it still reads `read`, as the sweep read it. True
+    /// if this call removed it; a record that changed (its socket connected
+    /// again meanwhile) stays.
+    fn forget_socket(&mut self, cookie: u64, read: &TrackedSocket) -> Result<bool, StoreError>;
     /// The socket table's size, use and memory.
     fn socket_table(&self) -> Result<SocketTableUse, StoreError>;
 }
@@ -617,16 +619,25 @@ impl MapStore for BpfMaps {
         Ok(records)
     }
 
-    fn forget_socket(&mut self, cookie: u64) -> Result<bool, StoreError> {
-        if let Some(slots) = &self.socket_slots
-            && slots.forget(cookie)
-        {
-            return Ok(true);
+    fn forget_socket(&mut self, cookie: u64, read: &TrackedSocket) -> Result<bool, StoreError> {
+        if let Some(slots) = &self.socket_slots {
+            if slots.forget_if(cookie, read) {
+                return Ok(true);
+            }
+            if slots.get(cookie).is_some() {
+                // In a slot, changed since it was read.
+                return Ok(false);
+            }
         }
         let map = self
             .socket_table
             .as_mut()
             .ok_or_else(|| StoreError::new(names::SOCKET_TABLE, "not open"))?;
+        match map.get(&cookie, 0) {
+            Ok(now) if now == *read => {}
+            Ok(_) | Err(MapError::KeyNotFound) => return Ok(false),
+            Err(error) => return Err(StoreError::new(names::SOCKET_TABLE, error)),
+        }
         match map.remove(&cookie) {
             Ok(()) => Ok(true),
             Err(MapError::KeyNotFound) => Ok(false),
@@ -925,8 +936,11 @@ impl MapStore for MemoryMaps {
         Ok(self.tracked.iter().map(|(k, v)| (*k, *v)).collect())
     }
 
-    fn forget_socket(&mut self, cookie: u64) -> Result<bool, StoreError> {
+    fn forget_socket(&mut self, cookie: u64, read: &TrackedSocket) -> Result<bool, StoreError> {
         self.write(names::SOCKET_TABLE)?;
+        if self.tracked.get(&cookie) != Some(read) {
+            return Ok(false);
+        }
         Ok(self.tracked.remove(&cookie).is_some())
     }
 

@@ -114,7 +114,15 @@ pub const fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> u64 {
 /// Loads, then closes, a socket filter that compare-and-exchanges a word
 /// of its stack (BPF_CMPXCHG, Linux 5.12): whether the verifier and the
 /// JIT take the instruction the array layout of the socket table needs.
+///
+/// Only a refusal says no: EINVAL from the verifier, or ENOTSUPP/EOPNOTSUPP
+/// from a JIT without it. Any other error (out of memory, a signal) says
+/// nothing of the instruction, and counts as yes: the object's own load
+/// then fails with a clear error if the kernel cannot load anything, where
+/// taking it for no would refuse to start over an install of the array.
 pub fn compare_exchange_supported() -> bool {
+    /// The kernel's internal ENOTSUPP, which bpf() can return.
+    const ENOTSUPP: i32 = 524;
     const BPF_PROG_TYPE_SOCKET_FILTER: u32 = 1;
     let program = [
         insn(0xb7, 0, 0, 0, 0),      // r0 = 0
@@ -124,7 +132,13 @@ pub fn compare_exchange_supported() -> bool {
         insn(0xb7, 0, 0, 0, 0),      // r0 = 0
         insn(0x95, 0, 0, 0, 0),      // exit
     ];
-    load_program(BPF_PROG_TYPE_SOCKET_FILTER, 0, &program).is_ok()
+    match load_program(BPF_PROG_TYPE_SOCKET_FILTER, 0, &program) {
+        Ok(_) => true,
+        Err(error) => !matches!(
+            error.raw_os_error(),
+            Some(libc::EINVAL | libc::EOPNOTSUPP | ENOTSUPP)
+        ),
+    }
 }
 
 fn owned_fd(raw: i64) -> OwnedFd {

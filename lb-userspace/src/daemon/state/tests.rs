@@ -390,8 +390,12 @@ impl MapStore for LimitedWrites<'_> {
     fn tracked_sockets(&self) -> Result<Vec<(u64, lb_common::TrackedSocket)>, StoreError> {
         self.inner.tracked_sockets()
     }
-    fn forget_socket(&mut self, cookie: u64) -> Result<bool, StoreError> {
-        self.inner.forget_socket(cookie)
+    fn forget_socket(
+        &mut self,
+        cookie: u64,
+        read: &lb_common::TrackedSocket,
+    ) -> Result<bool, StoreError> {
+        self.inner.forget_socket(cookie, read)
     }
     fn socket_table(&self) -> Result<crate::dataplane::SocketTableUse, StoreError> {
         self.inner.socket_table()

@@ -95,6 +95,11 @@ enum Verb {
         /// version) instead of this tree's.
         #[arg(long, value_name = "PATH", requires = "kernel_cost")]
         socklb: Option<PathBuf>,
+        /// With --kernel-cost: run socklb with this `socket-table-size`
+        /// (the array layout takes half as many slots, rounded up to a
+        /// power of two), to measure what the table's size costs.
+        #[arg(long, value_name = "SOCKETS", requires = "kernel_cost")]
+        socket_table_size: Option<u32>,
     },
     /// Run socklb for N minutes under a seeded schedule of overlapping
     /// faults, check every invariant, and write bench/results/SOAK.md
@@ -145,8 +150,9 @@ fn main() -> Result<()> {
         Verb::Bench {
             kernel_cost: true,
             socklb,
+            socket_table_size,
             ..
-        } => bench::run_kernel_cost(&workspace_root(), socklb),
+        } => bench::run_kernel_cost(&workspace_root(), socklb, socket_table_size),
         Verb::Bench { fleet: true, .. } => bench::fleet::run(&workspace_root()),
         Verb::Bench { .. } => bench::run(&workspace_root()),
         Verb::Fuzz { seconds } => fuzz::run(seconds),

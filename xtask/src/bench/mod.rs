@@ -252,7 +252,7 @@ pub fn run(root: &Path) -> Result<()> {
 
     let scratch = ScratchDir::new()?;
     let (series, kernel, wrk_errors, configs, accelerated_memory) = {
-        let mut lab = Lab::start(&scratch)?;
+        let mut lab = Lab::start(&scratch, None)?;
         let mut bench = Bench {
             lab: &mut lab,
             scratch: &scratch.path,
@@ -308,8 +308,13 @@ pub fn run(root: &Path) -> Result<()> {
 /// connection, and the new-connection rates against direct, printed (no
 /// report written). `socklb`: measure that binary instead of this tree's,
 /// for a figure of another version (the object's programs are that
-/// version's; the bench is this one).
-pub fn run_kernel_cost(root: &Path, socklb: Option<PathBuf>) -> Result<()> {
+/// version's; the bench is this one). `socket_table_size`: socklb's
+/// `socket-table-size`, when not the default.
+pub fn run_kernel_cost(
+    root: &Path,
+    socklb: Option<PathBuf>,
+    socket_table_size: Option<u32>,
+) -> Result<()> {
     if !crate::is_root() {
         bail!("cargo xtask bench loads eBPF programs and creates cgroups: run it as root");
     }
@@ -321,7 +326,7 @@ pub fn run_kernel_cost(root: &Path, socklb: Option<PathBuf>) -> Result<()> {
         unsafe { std::env::set_var("SOCKLB_BIN", binary) };
     }
     let scratch = ScratchDir::new()?;
-    let mut lab = Lab::start(&scratch)?;
+    let mut lab = Lab::start(&scratch, socket_table_size)?;
     let mut bench = Bench {
         lab: &mut lab,
         scratch: &scratch.path,

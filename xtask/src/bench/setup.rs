@@ -103,7 +103,9 @@ impl Lab {
         Ok(())
     }
 
-    pub fn start(scratch: &ScratchDir) -> Result<Self> {
+    /// `socket_table_size`: socklb's `socket-table-size`, when not the
+    /// default.
+    pub fn start(scratch: &ScratchDir, socket_table_size: Option<u32>) -> Result<Self> {
         let ports = Ports::pick()?;
         // Declared first so they are removed last if a later step fails.
         let parent_cgroup = Cgroup::new("bench");
@@ -132,7 +134,8 @@ impl Lab {
             ports.accelerated_backend
         );
         let proxies = Proxies::start(scratch, &ports)?;
-        let (daemon, socklb_config) = start_socklb(scratch, &ports, &socklb_cgroup.path)?;
+        let (daemon, socklb_config) =
+            start_socklb(scratch, &ports, &socklb_cgroup.path, socket_table_size)?;
         Ok(Self {
             daemon,
             nginx_proxy: proxies.nginx,
@@ -243,8 +246,16 @@ impl Proxies {
 
 /// socklb on the lab's VIPs, in `cgroup`, every backend probed healthy;
 /// with its configuration.
-fn start_socklb(scratch: &ScratchDir, ports: &Ports, cgroup: &Path) -> Result<(Daemon, String)> {
-    let config = socklb_config(
+fn start_socklb(
+    scratch: &ScratchDir,
+    ports: &Ports,
+    cgroup: &Path,
+    socket_table_size: Option<u32>,
+) -> Result<(Daemon, String)> {
+    let mut config = socket_table_size
+        .map(|size| format!("socket-table-size = {size}\n\n"))
+        .unwrap_or_default();
+    config += &socklb_config(
         &ports.vips,
         &ports.backend,
         &ports.accelerated_vips,

@@ -459,24 +459,58 @@ fn open_sockets_to(backend: SocketAddr) -> usize {
 /// counts stay. The sweep takes them away soon after the daemon repairs
 /// the links, not at its 30 s interval, counts each as a repair and says
 /// so.
+/// A daemon with one service, a VIP to a server at `ip` that holds its
+/// connections, for the clients of a cgroup of its own. Fields drop in
+/// order: the daemon before its cgroup.
+struct OneHolding {
+    daemon: Daemon,
+    _dir: TempDir,
+    server: EndServer,
+    vip: SocketAddr,
+    cgroup: Cgroup,
+}
+
+impl OneHolding {
+    fn start(label: &str, ip: &str) -> Self {
+        let cgroup = Cgroup::new(label);
+        let server = EndServer::start(ip, "hold");
+        let vip = vip();
+        let config = service("hold", vip, server.addr, false);
+        let (dir, mut daemon) = start_with_config(label, &config, &cgroup.path);
+        daemon.wait_for("the daemon runs", Duration::from_secs(10), |status| {
+            status["daemon"]["running"] == true
+        });
+        Self {
+            daemon,
+            _dir: dir,
+            server,
+            vip,
+            cgroup,
+        }
+    }
+
+    /// `count` more connections held through the VIP, once the backend's
+    /// live count and the table both read `live`.
+    fn hold(&mut self, count: u32, live: u32) -> Holder {
+        let (holder, held) = Holder::open(self.vip, &self.cgroup.path, count, &[]);
+        assert_eq!(held, u64::from(count), "every connection opened");
+        let backend = self.server.addr;
+        self.daemon
+            .wait_for("every connection live", Duration::from_secs(30), |status| {
+                backend_count(status, backend, "live") == i64::from(live)
+                    && table_field(status, "tracked") == u64::from(live)
+            });
+        holder
+    }
+}
+
 #[test]
 fn a_close_no_program_saw_is_swept_soon_after_the_link_is_repaired() {
     require_root!();
     const HELD: u32 = 200;
-    let cgroup = Cgroup::new("unseen");
-    let server = EndServer::start("127.0.0.4", "hold");
-    let vip = vip();
-    let config = service("hold", vip, server.addr, false);
-    let (_dir, mut daemon) = start_with_config("unseen", &config, &cgroup.path);
-    daemon.wait_for("the daemon runs", Duration::from_secs(10), |status| {
-        status["daemon"]["running"] == true
-    });
-    let (mut holder, held) = Holder::open(vip, &cgroup.path, HELD, &[]);
-    assert_eq!(held, u64::from(HELD), "every connection opened");
-    daemon.wait_for("every connection live", Duration::from_secs(30), |status| {
-        backend_count(status, server.addr, "live") == i64::from(HELD)
-            && table_field(status, "tracked") == u64::from(HELD)
-    });
+    let mut setup = OneHolding::start("unseen", "127.0.0.4");
+    let mut holder = setup.hold(HELD, HELD);
+    let OneHolding { daemon, server, .. } = &mut setup;
 
     daemon.pause();
     let old_links: Vec<u32> = [names::SOCKOPS, names::RELEASE]
@@ -510,7 +544,7 @@ fn a_close_no_program_saw_is_swept_soon_after_the_link_is_repaired() {
         "no program saw the closes: the counts and records still hold them"
     );
     daemon.resume();
-    let took = until_all_ended(&mut daemon, "closes no program saw");
+    let took = until_all_ended(daemon, "closes no program saw");
     assert!(
         took < Duration::from_secs(30),
         "the sweep came {} ms after the daemon resumed: at its interval, not soon after the repair",
@@ -555,21 +589,9 @@ fn a_socket_table_left_without_its_counts_is_not_adopted() {
     require_root!();
     const BEFORE: u32 = 100;
     const AFTER: u32 = 10;
-    let cgroup = Cgroup::new("orphan");
-    let server = EndServer::start("127.0.0.7", "hold");
-    let vip = vip();
-    let config = service("hold", vip, server.addr, false);
-    let (_dir, mut daemon) = start_with_config("orphan", &config, &cgroup.path);
-    daemon.wait_for("the daemon runs", Duration::from_secs(10), |status| {
-        status["daemon"]["running"] == true
-    });
-    let (mut before, held) = Holder::open(vip, &cgroup.path, BEFORE, &[]);
-    assert_eq!(held, u64::from(BEFORE), "every connection opened");
-    daemon.wait_for("every connection live", Duration::from_secs(30), |status| {
-        backend_count(status, server.addr, "live") == i64::from(BEFORE)
-            && table_field(status, "tracked") == u64::from(BEFORE)
-    });
-
+    let mut setup = OneHolding::start("orphan", "127.0.0.7");
+    let mut before = setup.hold(BEFORE, BEFORE);
+    let daemon = &mut setup.daemon;
     daemon.kill();
     let pins = PinPaths::new(&daemon.pin_path);
     std::fs::remove_file(pins.map(names::BACKEND_CONNS)).expect("unpinning the live counts");
@@ -586,7 +608,7 @@ fn a_socket_table_left_without_its_counts_is_not_adopted() {
     let status = daemon.status().expect("status");
     assert_eq!(
         (
-            backend_count(&status, server.addr, "live"),
+            backend_count(&status, setup.server.addr, "live"),
             table_field(&status, "tracked")
         ),
         (0, 0),
@@ -595,16 +617,8 @@ fn a_socket_table_left_without_its_counts_is_not_adopted() {
 
     // Connections made after the restart count in the new table; the old
     // ones end without touching the new counts.
-    let (mut after, held) = Holder::open(vip, &cgroup.path, AFTER, &[]);
-    assert_eq!(held, u64::from(AFTER), "every connection opened");
-    daemon.wait_for(
-        "the new connections live",
-        Duration::from_secs(30),
-        |status| {
-            backend_count(status, server.addr, "live") == i64::from(AFTER)
-                && table_field(status, "tracked") == u64::from(AFTER)
-        },
-    );
+    let mut after = setup.hold(AFTER, AFTER);
+    let OneHolding { daemon, server, .. } = &mut setup;
     before.kill();
     time_until(
         "the connections from before the restart closed",
@@ -618,7 +632,7 @@ fn a_socket_table_left_without_its_counts_is_not_adopted() {
         "the old connections' ends took nothing off the new counts: {status}"
     );
     after.kill();
-    until_all_ended(&mut daemon, "after a table left without its counts");
+    until_all_ended(daemon, "after a table left without its counts");
 }
 
 #[test]

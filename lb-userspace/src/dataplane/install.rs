@@ -226,16 +226,10 @@ pub fn check_map_pins(paths: &PinPaths, maps: &BpfMaps, pinned: &[&'static str])
         let Some(ours) = maps.fd(name).and_then(|fd| sys::map_id(fd).ok()) else {
             continue;
         };
-        match sys::open_pinned(&paths.map(name)) {
+        match sys::open_pinned(&paths.map(name)).and_then(|fd| sys::map_id(fd.as_fd())) {
+            Ok(id) if id == ours => {}
             Err(error) if sys::out_of_resources(&error) => check.unchecked.push((name, error)),
-            Err(_) => check.missing.push(name),
-            Ok(fd) => match sys::map_id(fd.as_fd()) {
-                Err(error) if sys::out_of_resources(&error) => {
-                    check.unchecked.push((name, error));
-                }
-                Ok(id) if id == ours => {}
-                _ => check.missing.push(name),
-            },
+            _ => check.missing.push(name),
         }
     }
     check

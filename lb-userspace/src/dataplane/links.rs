@@ -153,7 +153,7 @@ pub fn check_links(
         .filter_map(|program| {
             // A pin the daemon could not open for want of descriptors is
             // left as it is: taking it for missing would pin over it.
-            let read = read_pinned_link(&paths.link(program));
+            let read = pinned_link(&paths.link(program));
             let looked = read.is_ok();
             let pinned = read.ok().flatten();
             let (fd, held) = match (&source, &pinned) {
@@ -220,28 +220,15 @@ pub struct Attachment {
     links: BTreeMap<&'static str, OwnedFd>,
 }
 
-/// What a pinned link says of itself.
-fn pinned_link(path: &Path) -> Option<(std::os::fd::OwnedFd, sys::LinkInfo)> {
-    read_pinned_link(path).ok().flatten()
-}
-
-/// The link pinned at `path`; `None` when there is none, an error when the
-/// daemon is out of descriptors or memory and could not look.
-fn read_pinned_link(path: &Path) -> std::io::Result<Option<(std::os::fd::OwnedFd, sys::LinkInfo)>> {
-    let checked = |error: std::io::Error| {
-        if sys::out_of_resources(&error) {
-            Err(error)
-        } else {
-            Ok(None)
-        }
-    };
-    let fd = match sys::open_pinned(path) {
-        Ok(fd) => fd,
-        Err(error) => return checked(error),
-    };
-    match sys::link_info(fd.as_fd()) {
-        Ok(info) => Ok(Some((fd, info))),
-        Err(error) => checked(error),
+/// What a pinned link says of itself: `None` when there is none, an error
+/// when the daemon is out of descriptors or memory and could not look.
+fn pinned_link(path: &Path) -> std::io::Result<Option<(std::os::fd::OwnedFd, sys::LinkInfo)>> {
+    let read =
+        sys::open_pinned(path).and_then(|fd| sys::link_info(fd.as_fd()).map(|info| (fd, info)));
+    match read {
+        Ok(link) => Ok(Some(link)),
+        Err(error) if sys::out_of_resources(&error) => Err(error),
+        Err(_) => Ok(None),
     }
 }
 
@@ -321,8 +308,10 @@ impl Attachment {
         let mut notes = Vec::new();
         for program in names::PROGRAMS {
             let path = paths.link(program);
-            let attached =
-                pinned_link(&path).filter(|(_, info)| info.cgroup_id == attachment.cgroup.id);
+            let attached = pinned_link(&path)
+                .ok()
+                .flatten()
+                .filter(|(_, info)| info.cgroup_id == attachment.cgroup.id);
             let Some((fd, info)) = attached else {
                 if path.exists() {
                     notes.push(format!(

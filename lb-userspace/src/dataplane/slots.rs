@@ -119,24 +119,28 @@ impl SlotTable {
     }
 
     /// Frees the slot of the socket with this cookie if its record still
-    /// reads `read`; true when this call freed it (and may take its
-    /// connection off the live count, by what `read` says).
+    /// reads `read`: `Some(true)` when this call freed it (and may take its
+    /// connection off the live count, by what `read` says), `Some(false)`
+    /// when the slot stays, `None` when no slot holds the cookie.
     ///
     /// A record that changed since it was read belongs to a socket that
     /// connected again meanwhile, alive: it is left, and the decision on
     /// its count is never made from a stale copy. What is left unguarded is
     /// the moment between this read and the compare-and-exchange.
-    pub fn forget_if(&self, cookie: u64, read: &TrackedSocket) -> bool {
-        cookie != 0
-            && self.owned(cookie).is_some_and(|slot| {
-                // SAFETY: inside the mapping; a plain copy of plain data.
-                let now = unsafe { std::ptr::read_volatile(&raw const (*slot).tracked) };
-                now == *read
-                    && self
-                        .owner(slot)
-                        .compare_exchange(cookie, 0, Ordering::AcqRel, Ordering::Acquire)
-                        .is_ok()
-            })
+    pub fn forget_if(&self, cookie: u64, read: &TrackedSocket) -> Option<bool> {
+        if cookie == 0 {
+            return None;
+        }
+        let slot = self.owned(cookie)?;
+        // SAFETY: inside the mapping; a plain copy of plain data.
+        let now = unsafe { std::ptr::read_volatile(&raw const (*slot).tracked) };
+        Some(
+            now == *read
+                && self
+                    .owner(slot)
+                    .compare_exchange(cookie, 0, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok(),
+        )
     }
 }
 
@@ -189,18 +193,21 @@ mod tests {
         assert_eq!(table.get(46), None, "46 has slots 14 to 1, none its own");
         assert_eq!(table.records().len(), 3);
         assert_eq!(table.count(), 3);
-        assert!(
-            !table.forget_if(14, &tracked(4)),
+        assert_eq!(
+            table.forget_if(14, &tracked(4)),
+            Some(false),
             "a record that changed since it was read stays"
         );
-        assert!(table.forget_if(14, &tracked(3)));
-        assert!(
-            !table.forget_if(14, &tracked(3)),
+        assert_eq!(table.forget_if(14, &tracked(3)), Some(true));
+        assert_eq!(
+            table.forget_if(14, &tracked(3)),
+            None,
             "a second forget finds nothing"
         );
         assert_eq!(table.get(14), None);
-        assert!(
-            !table.forget_if(0, &TrackedSocket::default()),
+        assert_eq!(
+            table.forget_if(0, &TrackedSocket::default()),
+            None,
             "cookie 0 marks a free slot"
         );
         assert_eq!(table.records().len(), 2);

@@ -620,14 +620,12 @@ impl MapStore for BpfMaps {
     }
 
     fn forget_socket(&mut self, cookie: u64, read: &TrackedSocket) -> Result<bool, StoreError> {
-        if let Some(slots) = &self.socket_slots {
-            if slots.forget_if(cookie, read) {
-                return Ok(true);
-            }
-            if slots.get(cookie).is_some() {
-                // In a slot, changed since it was read.
-                return Ok(false);
-            }
+        if let Some(freed) = self
+            .socket_slots
+            .as_ref()
+            .and_then(|slots| slots.forget_if(cookie, read))
+        {
+            return Ok(freed);
         }
         let map = self
             .socket_table
